@@ -1,0 +1,81 @@
+"""The model protocol (DESIGN.md "The model protocol"): the only way `jaxdecode` reaches a model.
+
+A model is data plus pure functions. `models/` implements this protocol and imports nothing
+else from `jaxdecode`; the decoder drives any object that follows it, including the tiny
+scripted models of the tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol, runtime_checkable
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+Array = jax.Array
+
+
+@struct.dataclass
+class KVCache:
+    """Per-layer keys and values for a batch of rows.
+
+    k, v:    [layers, batch, max_len, kv_heads, head_dim]
+    lengths: int32[batch] -- one past the last written position of each row.
+
+    Positions at or past `lengths` are garbage and must be masked by the reader. Rolling back a
+    speculative or beam branch is lowering `lengths`; later writes overwrite.
+    """
+
+    k: Array
+    v: Array
+    lengths: Array
+
+    @classmethod
+    def zeros(cls, num_layers: int, batch: int, max_len: int, num_kv_heads: int,
+              head_dim: int, dtype: Any = jnp.float32) -> "KVCache":
+        shape = (num_layers, batch, max_len, num_kv_heads, head_dim)
+        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+                   lengths=jnp.zeros((batch,), jnp.int32))
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def batch(self) -> int:
+        return self.k.shape[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Static facts every model provides. Frozen and hashable: it keys jit caches."""
+
+    vocab_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_len: int
+    eos_token_ids: tuple[int, ...] = ()
+
+
+@runtime_checkable
+class DecoderModel(Protocol):
+    """A causal decoder reached only through `forward` and `init_cache`.
+
+    `forward(params, tokens, positions, cache, *, lengths)`:
+      tokens, positions: int32[B, T], right-padded; lengths: int32[B] real tokens per row.
+      Writes K/V of each real token at its absolute position (padding is never written), lets a
+      query at position p attend to cache entries 0..p of its row, and returns
+      (logits f32[B, T, vocab_size], cache with lengths = one past the last written position).
+    Models must be hashable (frozen dataclasses): they are static arguments of jitted functions.
+    """
+
+    config: ModelConfig
+
+    def init_cache(self, batch: int, max_len: int, dtype: Any) -> KVCache: ...
+
+    def forward(self, params: Any, tokens: Array, positions: Array, cache: KVCache, *,
+                lengths: Array) -> tuple[Array, KVCache]: ...

@@ -1,0 +1,73 @@
+"""Enums, errors and result records shared by the device core and the host pipeline (SPEC §1, §9)."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any, Optional
+
+
+class FinishReason(str, enum.Enum):
+    """Why a request ended (SPEC §9). Values are the wire strings."""
+
+    EOS = "eos"
+    STOP_SEQUENCE = "stop_sequence"
+    GRAMMAR_COMPLETE = "grammar_complete"
+    MAX_OUTPUT_TOKENS = "max_output_tokens"
+    CONTEXT_LIMIT = "context_limit"
+    CANCELLED = "cancelled"
+    DEADLINE_EXCEEDED = "deadline_exceeded"
+    CONTENT_INTERRUPTED = "content_interrupted"
+    MODEL_ERROR = "model_error"
+    TRANSPORT_ERROR = "transport_error"
+
+
+class ErrorCode(str, enum.Enum):
+    """Error codes carried by a `failed` event (SPEC §9)."""
+
+    DECODING_ERROR = "decoding_error"
+    GRAMMAR_DEAD_END = "grammar_dead_end"
+    ALL_TOKENS_MASKED = "all_tokens_masked"
+    OUTPUT_BUFFER_OVERFLOW = "output_buffer_overflow"
+    INVALID_REQUEST = "invalid_request"
+    MODEL_ERROR = "model_error"
+    TRANSPORT_ERROR = "transport_error"
+
+
+class RequestState(str, enum.Enum):
+    """Lifecycle states of SPEC §1."""
+
+    CREATED = "CREATED"
+    QUEUED = "QUEUED"
+    PREFILLING = "PREFILLING"
+    DECODING = "DECODING"
+    DRAINING = "DRAINING"
+    FINISHED = "FINISHED"
+    CANCEL_REQUESTED = "CANCEL_REQUESTED"
+    CANCELLED = "CANCELLED"
+    FAILED = "FAILED"
+
+
+class DecodingError(ValueError):
+    """Bytes that cannot form UTF-8 under the strict policy (SPEC D2a, D4)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Usage:
+    """Token counts of SPEC §9: selected, written into the cache, whose text was returned."""
+
+    prompt_tokens: int = 0
+    selected_tokens: int = 0
+    processed_tokens: int = 0
+    returned_tokens: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """One trace or stream event. `seq` is set for stream events (start, delta, terminal)."""
+
+    kind: str
+    request_id: str
+    seq: Optional[int] = None
+    data: dict = dataclasses.field(default_factory=dict)
+    time: float = 0.0
