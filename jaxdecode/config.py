@@ -1,0 +1,172 @@
+"""`SamplingParams`: one request's decoding settings, validated on construction.
+
+Every invalid value raises `ValueError` whose message starts with the field name, so the HTTP
+layer can report `param`. Settings are plain host data; `jaxdecode.state.RowParams` turns a
+batch of them into per-row device arrays, so new values never recompile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Optional, Union
+
+OUTPUT_KINDS = ("delta", "cumulative", "final_only")
+UTF8_ERRORS = ("strict", "replace")
+
+StopTokenIds = tuple[Union[int, tuple[int, ...]], ...]
+
+
+def _fail(field: str, message: str) -> None:
+    raise ValueError(f"{field}: {message}")
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings (DESIGN.md public API; SPEC §3, §5, §6, §8)."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict = dataclasses.field(default_factory=dict)
+    banned_token_ids: tuple = ()
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop: tuple = ()
+    stop_token_ids: StopTokenIds = ()
+    include_stop_in_output: bool = False
+    ignore_eos: bool = False
+    seed: Optional[int] = None
+    logprobs: int = 0
+    n: int = 1
+    skip_special_tokens: bool = True
+    utf8_errors: str = "strict"
+    deadline_s: Optional[float] = None
+    output_kind: str = "delta"
+    response_format: Optional[dict] = None
+
+    def __post_init__(self) -> None:
+        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty",
+                     "frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                _fail(name, f"must be a finite number, got {value!r}")
+            set_(name, float(value))
+        if self.temperature < 0:
+            _fail("temperature", f"must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            _fail("top_p", f"must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            _fail("min_p", f"must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            _fail("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        for name in ("top_k", "max_tokens", "min_tokens", "logprobs", "n"):
+            if not _is_int(getattr(self, name)):
+                _fail(name, f"must be an integer, got {getattr(self, name)!r}")
+        if self.top_k < 0:
+            _fail("top_k", f"must be >= 0 (0 disables), got {self.top_k}")
+        if self.max_tokens < 1:
+            _fail("max_tokens", f"must be >= 1, got {self.max_tokens}")
+        if self.min_tokens < 0:
+            _fail("min_tokens", f"must be >= 0, got {self.min_tokens}")
+        if self.min_tokens > self.max_tokens:
+            _fail("min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        if not 0 <= self.logprobs <= 20:
+            _fail("logprobs", f"must be in [0, 20], got {self.logprobs}")
+        if self.n < 1:
+            _fail("n", f"must be >= 1, got {self.n}")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
+            _fail("seed", f"must be an integer in [0, 2**63) or None, got {self.seed!r}")
+        if self.deadline_s is not None and (
+                isinstance(self.deadline_s, bool) or not isinstance(self.deadline_s, (int, float))
+                or not self.deadline_s > 0):
+            _fail("deadline_s", f"must be a positive number of seconds or None, got {self.deadline_s!r}")
+        if self.output_kind not in OUTPUT_KINDS:
+            _fail("output_kind", f"must be one of {OUTPUT_KINDS}, got {self.output_kind!r}")
+        if self.utf8_errors not in UTF8_ERRORS:
+            _fail("utf8_errors", f"must be one of {UTF8_ERRORS}, got {self.utf8_errors!r}")
+        set_("stop", self._normalise_stop(self.stop))
+        set_("stop_token_ids", self._normalise_stop_ids(self.stop_token_ids))
+        set_("banned_token_ids", self._normalise_ids("banned_token_ids", self.banned_token_ids))
+        set_("logit_bias", self._normalise_bias(self.logit_bias))
+        if self.response_format is not None and not isinstance(self.response_format, dict):
+            _fail("response_format", f"must be a dict or None, got {type(self.response_format).__name__}")
+
+    @staticmethod
+    def _normalise_stop(stop: Any) -> tuple[str, ...]:
+        if stop is None:
+            return ()
+        items = (stop,) if isinstance(stop, str) else tuple(stop)
+        for s in items:
+            if not isinstance(s, str):
+                _fail("stop", f"entries must be strings, got {s!r}")
+            if s == "":
+                _fail("stop", "empty stop string")
+        return items
+
+    @staticmethod
+    def _normalise_ids(field: str, ids: Any) -> tuple[int, ...]:
+        ids = (ids,) if _is_int(ids) else tuple(ids or ())
+        for i in ids:
+            if not _is_int(i) or i < 0:
+                _fail(field, f"entries must be non-negative token ids, got {i!r}")
+        return ids
+
+    @classmethod
+    def _normalise_stop_ids(cls, ids: Any) -> StopTokenIds:
+        out: list = []
+        for entry in ((ids,) if _is_int(ids) else tuple(ids or ())):
+            if _is_int(entry):
+                out.append(cls._normalise_ids("stop_token_ids", (entry,))[0])
+            else:
+                seq = cls._normalise_ids("stop_token_ids", entry)
+                if not seq:
+                    _fail("stop_token_ids", "empty id sequence")
+                out.append(seq[0] if len(seq) == 1 else seq)
+        return tuple(out)
+
+    @staticmethod
+    def _normalise_bias(bias: Any) -> dict:
+        if bias is None:
+            return {}
+        if not isinstance(bias, dict):
+            _fail("logit_bias", f"must be a mapping of token id to bias, got {type(bias).__name__}")
+        out = {}
+        for k, v in bias.items():
+            try:
+                tok = int(k)
+            except (TypeError, ValueError):
+                _fail("logit_bias", f"keys must be token ids, got {k!r}")
+            if tok < 0:
+                _fail("logit_bias", f"keys must be non-negative token ids, got {k!r}")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                _fail("logit_bias", f"values must be finite numbers, got {v!r} for token {k!r}")
+            out[tok] = float(v)
+        return out
+
+    @property
+    def single_stop_ids(self) -> tuple[int, ...]:
+        """Stop ids decided on the device (SPEC §5); sequences are matched on the host."""
+        return tuple(i for i in self.stop_token_ids if _is_int(i))
+
+    @property
+    def stop_id_sequences(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(i for i in self.stop_token_ids if not _is_int(i))
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Token ids must exist in the model's vocabulary (checked once the model is known)."""
+        stop_ids = self.single_stop_ids + tuple(i for seq in self.stop_id_sequences for i in seq)
+        for name, ids in (("banned_token_ids", self.banned_token_ids),
+                          ("logit_bias", tuple(self.logit_bias)), ("stop_token_ids", stop_ids)):
+            for i in ids:
+                if i >= vocab_size:
+                    _fail(name, f"token id {i} is outside the vocabulary (size {vocab_size})")

@@ -1,0 +1,292 @@
+"""The jitted device core: `prefill`, `decode_step` and the on-device `generate` loop (SPEC §2, §5).
+
+One loop body, two drivers: `decode_step` is the body; `generate` runs it inside
+`lax.while_loop` (one dispatch for the whole generation) or, with `trace=False`, from a Python
+loop (for streaming and debugging). Both give the same tokens.
+
+Off-by-one convention (SPEC O1): `decode_step` selects y_t from the logits of prompt + y[1:t-1];
+if y_t ends its row (EOS, stop id, max_tokens, context limit, a dead end) it is never written;
+otherwise it is written at position m + t - 1 (= `cache.lengths`) and z_{t+1} is computed.
+
+Token-level stops are decided here, with zero wasted steps, in this priority (SPEC S9): a model
+error (NaN logits), every token masked, EOS, a stop id, max_tokens, the context limit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+from typing import Any, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxdecode import processors, sampling as sampling_lib
+from jaxdecode.config import SamplingParams
+from jaxdecode.model_api import DecoderModel
+from jaxdecode.state import (ALL_MASKED, CONTEXT_LIMIT, EOS, MAX_TOKENS, MODEL_ERROR, RUNNING,
+                             STOP_TOKEN, RowParams, StepOutput, StepState, seed_key_data)
+from jaxdecode.types import ErrorCode, FinishReason
+
+Array = jax.Array
+
+MIN_BUCKET = 16
+
+FINISH_REASONS = {EOS: FinishReason.EOS, STOP_TOKEN: FinishReason.STOP_SEQUENCE,
+                  MAX_TOKENS: FinishReason.MAX_OUTPUT_TOKENS,
+                  CONTEXT_LIMIT: FinishReason.CONTEXT_LIMIT,
+                  ALL_MASKED: FinishReason.MODEL_ERROR, MODEL_ERROR: FinishReason.MODEL_ERROR}
+ERRORS = {ALL_MASKED: ErrorCode.ALL_TOKENS_MASKED, MODEL_ERROR: ErrorCode.MODEL_ERROR}
+
+
+def bucket(n: int, cap: Optional[int] = None) -> int:
+    """The static size used for a dynamic length n: the next power of two >= 16, capped."""
+    size = max(MIN_BUCKET, 1 << max(0, int(n) - 1).bit_length())
+    return min(size, cap) if cap is not None else size
+
+
+def params_dtype(params: Any):
+    floats = [x.dtype for x in jax.tree.leaves(params) if jnp.issubdtype(x.dtype, jnp.floating)]
+    return floats[0] if floats else jnp.float32
+
+
+# -- compilation counting (tests and benchmarks assert zero recompiles after warm-up) ----------
+
+_compiles = 0
+_compiles_lock = threading.Lock()
+
+
+def _on_event(name: str, *args, **kwargs) -> None:
+    global _compiles
+    if name == "/jax/core/compile/backend_compile_duration":
+        with _compiles_lock:
+            _compiles += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_event)
+
+
+def compilation_count() -> int:
+    """XLA backend compilations in this process so far."""
+    return _compiles
+
+
+# -- prefill and the step ----------------------------------------------------------------------
+
+@functools.partial(jax.jit, static_argnums=(0, 5))
+def prefill(model: DecoderModel, params: Any, tokens: Array, lengths: Array, rows: RowParams,
+            cache_len: int) -> StepState:
+    """Prompt pass: tokens int32[B, T] right-padded (T a bucket), lengths int32[B] >= 1.
+
+    Returns the StepState before y_1: the cache holds the prompts, `logits` is the last real
+    position's row of logits."""
+    b, t = tokens.shape
+    cache = model.init_cache(b, cache_len, params_dtype(params))
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    logits, cache = model.forward(params, tokens, positions, cache, lengths=lengths)
+    last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
+    vocab = last.shape[-1]
+    real = jnp.arange(t)[None, :] < lengths[:, None]
+    seen = jnp.zeros((b, vocab), bool).at[jnp.arange(b)[:, None], tokens].max(real)
+    return StepState(cache=cache, logits=last.astype(jnp.float32),
+                     last_token=jnp.full((b,), -1, jnp.int32), step=jnp.zeros((b,), jnp.int32),
+                     counts=jnp.zeros((b, vocab), jnp.int32), seen=seen,
+                     done=jnp.zeros((b,), bool), finish=jnp.zeros((b,), jnp.int32), rows=rows)
+
+
+def finish_codes(state: StepState, logprobs: Array, token: Array) -> Array:
+    """Device stop decision for y_t (SPEC §5, S9 priority), RUNNING where the row goes on."""
+    rows = state.rows
+    t = state.step + 1
+    rowwise = lambda mask: jnp.take_along_axis(mask, token[:, None], axis=-1)[:, 0]  # noqa: E731
+    conditions = [
+        (MODEL_ERROR, jnp.any(jnp.isnan(state.logits), axis=-1)),
+        (ALL_MASKED, jnp.all(jnp.isneginf(logprobs), axis=-1)),
+        (EOS, rowwise(rows.eos_mask)),
+        (STOP_TOKEN, rowwise(rows.stop_mask)),
+        (MAX_TOKENS, t >= rows.max_tokens),
+        (CONTEXT_LIMIT, state.cache.lengths >= state.cache.max_len - 1),
+    ]
+    code = jnp.full(token.shape, RUNNING, jnp.int32)
+    for value, cond in reversed(conditions):
+        code = jnp.where(cond, value, code)
+    return jnp.where(state.done, RUNNING, code)
+
+
+def decode_step(model: DecoderModel, params: Any, state: StepState,
+                top_logprobs: int = 0) -> tuple[StepState, StepOutput]:
+    """Select y_t for every live row, then write it and compute z_{t+1} where the row goes on."""
+    t = state.step + 1
+    logprobs = processors.process(state.logits, state.rows, state.counts, state.seen, state.step)
+    token = sampling_lib.select(logprobs, state.rows, t)
+    finish = finish_codes(state, logprobs, token)
+    live = ~state.done
+    goes_on = live & (finish == RUNNING)
+
+    logits, cache = model.forward(params, token[:, None], state.cache.lengths[:, None],
+                                  state.cache, lengths=goes_on.astype(jnp.int32))
+    rows_idx = jnp.arange(token.shape[0])
+    raw = jax.nn.log_softmax(state.logits, axis=-1)
+    if top_logprobs:
+        top_lp, top_ids = jax.lax.top_k(raw, top_logprobs)
+    else:
+        top_lp = jnp.zeros((token.shape[0], 0), jnp.float32)
+        top_ids = jnp.zeros((token.shape[0], 0), jnp.int32)
+    new_state = state.replace(
+        cache=cache,
+        logits=jnp.where(goes_on[:, None], logits[:, 0].astype(jnp.float32), state.logits),
+        last_token=jnp.where(live, token, state.last_token),
+        step=state.step + live,
+        counts=state.counts.at[rows_idx, token].add(live.astype(jnp.int32)),
+        seen=state.seen.at[rows_idx, token].max(live),
+        done=state.done | (finish != RUNNING),
+        finish=jnp.where(live, finish, state.finish),
+    )
+    out = StepOutput(token=jnp.where(live, token, -1), finish=finish,
+                     logprob=jnp.take_along_axis(raw, token[:, None], axis=-1)[:, 0],
+                     top_ids=top_ids, top_logprobs=top_lp)
+    return new_state, out
+
+
+decode_step_jit = jax.jit(decode_step, static_argnums=(0, 3), donate_argnums=(2,))
+
+
+# -- generate --------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class GenerateOutput:
+    """Host results of `generate` (DESIGN.md).
+
+    token_ids int32[B, N]: every selected token of each row, including the EOS / stop id that
+    ended it (as HF `generate` does), padded with -1 after the row's end; lengths int32[B];
+    finish_reasons: one FinishReason per row; errors: None per row, or the ErrorCode of a row that
+    failed (`model_error` for NaN logits, `all_tokens_masked` -- SPEC P2 -- when every token was
+    masked; its finish reason is then `model_error`); logprobs f32[B, N]: the raw model log-probability of each selected token
+    (before processors, as OpenAI and vLLM report), when asked; top_logprobs: (ids, logprobs)
+    int32/f32[B, N, K] when some row asked for K > 0.
+    """
+
+    token_ids: np.ndarray
+    lengths: np.ndarray
+    finish_reasons: list
+    errors: list
+    logprobs: Optional[np.ndarray] = None
+    top_logprobs: Optional[tuple[np.ndarray, np.ndarray]] = None
+    beams: Optional[list] = None
+
+    def tokens(self, row: int) -> list[int]:
+        return self.token_ids[row, : self.lengths[row]].tolist()
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3, 4))
+def _generate_loop(model, params, state: StepState, num_steps: int, top_logprobs: int):
+    b = state.step.shape[0]
+    buffers = (jnp.full((b, num_steps), -1, jnp.int32), jnp.zeros((b, num_steps), jnp.float32),
+               jnp.zeros((b, num_steps, top_logprobs), jnp.int32),
+               jnp.zeros((b, num_steps, top_logprobs), jnp.float32))
+
+    def cond(carry):
+        i, state, _ = carry
+        return (i < num_steps) & ~jnp.all(state.done)
+
+    def body(carry):
+        i, state, bufs = carry
+        state, out = decode_step(model, params, state, top_logprobs)
+        bufs = tuple(buf.at[:, i].set(value) for buf, value in
+                     zip(bufs, (out.token, out.logprob, out.top_ids, out.top_logprobs)))
+        return i + 1, state, bufs
+
+    _, state, buffers = jax.lax.while_loop(cond, body, (jnp.int32(0), state, buffers))
+    return state, buffers
+
+
+def prepare(model: DecoderModel, params: Any, prompt_ids: Sequence[Sequence[int]],
+            sampling: SamplingParams | Sequence[SamplingParams], max_new_tokens: Optional[int],
+            key: Optional[Array], eos_token_ids: Optional[Sequence[int]] = None):
+    """Validate ragged prompts and settings; prefill. Returns (state, per-row params, N)."""
+    if not prompt_ids or not all(len(p) > 0 for p in prompt_ids):
+        raise ValueError("prompt_ids: expected a non-empty list of non-empty token-id lists")
+    b = len(prompt_ids)
+    rows_sp = [sampling] * b if isinstance(sampling, SamplingParams) else list(sampling)
+    if len(rows_sp) != b:
+        raise ValueError(f"sampling: expected 1 or {b} SamplingParams, got {len(rows_sp)}")
+    cfg = model.config
+    n = max(s.max_tokens for s in rows_sp) if max_new_tokens is None else int(max_new_tokens)
+    if n < 1:
+        raise ValueError(f"max_new_tokens: must be >= 1, got {max_new_tokens}")
+    longest = max(len(p) for p in prompt_ids)
+    if longest > cfg.max_len:
+        raise ValueError(f"prompt_ids: a prompt of {longest} tokens exceeds the model's "
+                         f"max_len {cfg.max_len}")
+    for p in prompt_ids:
+        bad = [i for i in p if not 0 <= int(i) < cfg.vocab_size]
+        if bad:
+            raise ValueError(f"prompt_ids: token id {bad[0]} is outside the vocabulary "
+                             f"(size {cfg.vocab_size})")
+    t = bucket(longest, cfg.max_len)
+    cache_len = min(cfg.max_len, bucket(t + n))
+    tokens = np.zeros((b, t), np.int32)
+    for r, p in enumerate(prompt_ids):
+        tokens[r, : len(p)] = p
+    lengths = np.array([len(p) for p in prompt_ids], np.int32)
+    if key is None:
+        key = jax.random.key(0)
+    keys = np.stack([seed_key_data(s.seed) if s.seed is not None
+                     else np.asarray(jax.random.key_data(jax.random.fold_in(key, r)), np.uint32)
+                     for r, s in enumerate(rows_sp)])
+    rows_sp = [dataclasses.replace(s, max_tokens=min(s.max_tokens, n),
+                                   min_tokens=min(s.min_tokens, n)) for s in rows_sp]
+    eos = cfg.eos_token_ids if eos_token_ids is None else tuple(eos_token_ids)
+    rows = RowParams.build(rows_sp, cfg.vocab_size, eos, keys=keys)
+    state = prefill(model, params, tokens, lengths, rows, cache_len)
+    return state, rows_sp, n
+
+
+def generate(model: DecoderModel, params: Any, prompt_ids: Sequence[Sequence[int]],
+             sampling: SamplingParams | Sequence[SamplingParams], *,
+             max_new_tokens: Optional[int] = None, key: Optional[Array] = None,
+             trace: bool = True) -> GenerateOutput:
+    """Decode ragged prompts entirely on device (DESIGN.md `jd.generate`).
+
+    A row's randomness comes from its seed; `key` serves rows with seed=None (row r uses
+    fold_in(key, r)). `max_new_tokens` defaults to the largest max_tokens and caps every row.
+    `trace=False` drives the same step from a Python loop instead of `lax.while_loop`.
+    """
+    state, rows_sp, n = prepare(model, params, prompt_ids, sampling, max_new_tokens, key)
+    k = max(s.logprobs for s in rows_sp)
+    buffer_len = bucket(n)
+    if trace:
+        state, bufs = _generate_loop(model, params, state, buffer_len, k)
+        tokens, logprob, top_ids, top_lp = (np.asarray(x) for x in bufs)
+    else:
+        outs = []
+        for _ in range(n):
+            state, out = decode_step_jit(model, params, state, k)
+            outs.append(out)
+            if bool(np.all(np.asarray(state.done))):
+                break
+        stack = lambda name: np.stack([np.asarray(getattr(o, name)) for o in outs], 1)  # noqa: E731
+        tokens, logprob, top_ids, top_lp = (stack(x) for x in
+                                            ("token", "logprob", "top_ids", "top_logprobs"))
+    finish = np.asarray(state.finish)
+    step = np.asarray(state.step)
+    failed = (finish == ALL_MASKED) | (finish == MODEL_ERROR)
+    lengths = np.where(failed, step - 1, step).astype(np.int32)
+    tokens, logprob = _fit(tokens, n), _fit(logprob, n)
+    after_end = np.arange(n)[None, :] >= lengths[:, None]
+    tokens[after_end], logprob[after_end] = -1, 0.0
+    return GenerateOutput(
+        token_ids=tokens.astype(np.int32), lengths=lengths,
+        finish_reasons=[FINISH_REASONS[int(c)] for c in finish],
+        errors=[ERRORS.get(int(c)) for c in finish],
+        logprobs=logprob,
+        top_logprobs=(_fit(top_ids, n), _fit(top_lp, n)) if k else None)
+
+
+def _fit(x: np.ndarray, width: int) -> np.ndarray:
+    if x.shape[1] >= width:
+        return x[:, :width].copy()
+    pad = [(0, 0), (0, width - x.shape[1])] + [(0, 0)] * (x.ndim - 2)
+    return np.pad(x, pad)

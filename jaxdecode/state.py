@@ -1,0 +1,123 @@
+"""The decoding state pytrees (SPEC §2): per-row settings as arrays, and the step state.
+
+Static vs dynamic: batch size, vocabulary and cache length are shapes (static); every
+per-request value -- temperature, limits, seeds, stop ids -- is an array entry, so a new request
+never recompiles.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from jaxdecode.config import SamplingParams
+from jaxdecode.model_api import KVCache
+
+Array = jax.Array
+
+# Device finish codes (0 = still running). Mapped to FinishReason / ErrorCode on the host.
+RUNNING, EOS, STOP_TOKEN, MAX_TOKENS, CONTEXT_LIMIT, ALL_MASKED, MODEL_ERROR = range(7)
+
+
+@struct.dataclass
+class RowParams:
+    """Per-row sampling settings as device arrays (SPEC P3). B = rows, V = vocabulary.
+
+    temperature, top_p, min_p, repetition_penalty, frequency_penalty, presence_penalty: f32[B]
+    top_k, max_tokens, min_tokens: int32[B]
+    bias:     f32[B, V]  logit_bias, with -inf at banned ids
+    eos_mask: bool[B, V] ids that end the request with `eos` (empty when ignore_eos)
+    stop_mask: bool[B, V] single stop_token_ids (`stop_sequence`)
+    keys:     uint32[B, 2] per-request base PRNG key data (SPEC X1)
+    """
+
+    temperature: Array
+    top_k: Array
+    top_p: Array
+    min_p: Array
+    repetition_penalty: Array
+    frequency_penalty: Array
+    presence_penalty: Array
+    max_tokens: Array
+    min_tokens: Array
+    bias: Array
+    eos_mask: Array
+    stop_mask: Array
+    keys: Array
+
+    @classmethod
+    def build(cls, sampling: Sequence[SamplingParams], vocab_size: int,
+              eos_token_ids: Sequence[int] = (), keys: Optional[np.ndarray] = None) -> "RowParams":
+        """Host-side assembly in numpy; one transfer per field."""
+        b = len(sampling)
+        f32 = lambda name: np.array([getattr(s, name) for s in sampling], np.float32)  # noqa: E731
+        i32 = lambda name: np.array([getattr(s, name) for s in sampling], np.int32)  # noqa: E731
+        bias = np.zeros((b, vocab_size), np.float32)
+        eos_mask = np.zeros((b, vocab_size), bool)
+        stop_mask = np.zeros((b, vocab_size), bool)
+        for r, s in enumerate(sampling):
+            s.check_vocab(vocab_size)
+            for tok, value in s.logit_bias.items():
+                bias[r, tok] = value
+            bias[r, list(s.banned_token_ids)] = -np.inf
+            if not s.ignore_eos:
+                eos_mask[r, [i for i in eos_token_ids if i < vocab_size]] = True
+            stop_mask[r, list(s.single_stop_ids)] = True
+        if keys is None:
+            keys = np.stack([seed_key_data(s.seed or 0) for s in sampling])
+        return cls(temperature=f32("temperature"), top_k=i32("top_k"), top_p=f32("top_p"),
+                   min_p=f32("min_p"), repetition_penalty=f32("repetition_penalty"),
+                   frequency_penalty=f32("frequency_penalty"),
+                   presence_penalty=f32("presence_penalty"), max_tokens=i32("max_tokens"),
+                   min_tokens=i32("min_tokens"), bias=bias, eos_mask=eos_mask,
+                   stop_mask=stop_mask, keys=np.asarray(keys, np.uint32))
+
+
+def seed_key_data(seed: int) -> np.ndarray:
+    """The raw key data of `jax.random.key(seed)` under the default PRNG implementation."""
+    return np.asarray(jax.random.key_data(jax.random.key(seed)), np.uint32)
+
+
+@struct.dataclass
+class StepState:
+    """Everything the decode step needs before selecting token t of each row (SPEC §2).
+
+    cache:      KVCache covering prompt + y[1:t-1] of each row (its `lengths` is where y_t goes)
+    logits:     f32[B, V] raw next-token logits for that prefix
+    last_token: int32[B] the most recently selected token (-1 before the first)
+    step:       int32[B] tokens selected so far (t - 1)
+    counts:     int32[B, V] occurrences of each id in the output (frequency/presence penalties)
+    seen:       bool[B, V] ids present in prompt or output (repetition penalty, HF semantics)
+    done:       bool[B] the row has ended; it selects and writes nothing more
+    finish:     int32[B] device finish code (RUNNING while live)
+    rows:       RowParams
+    """
+
+    cache: KVCache
+    logits: Array
+    last_token: Array
+    step: Array
+    counts: Array
+    seen: Array
+    done: Array
+    finish: Array
+    rows: RowParams
+
+
+@struct.dataclass
+class StepOutput:
+    """What one decode step reports per row.
+
+    token: int32[B] y_t (-1 for rows that were already done); finish: int32[B] code set this step;
+    logprob: f32[B] raw model log-probability of y_t; top_ids/top_logprobs: [B, K] (K may be 0).
+    """
+
+    token: Array
+    finish: Array
+    logprob: Array
+    top_ids: Array
+    top_logprobs: Array

@@ -1,0 +1,40 @@
+"""A hand-computable DecoderModel: after the token at absolute position p it predicts script[p].
+
+Its logits are `peak` on the scripted id and 0 elsewhere, so greedy decoding replays the script
+and a test can compute every step by hand. It keeps a real KVCache (one layer, tiny heads) so
+cache lengths follow the protocol exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxdecode.model_api import KVCache, ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class ScriptedModel:
+    config: ModelConfig
+    script: tuple  # script[p] = the id predicted after position p
+    peak: float = 10.0
+
+    @classmethod
+    def make(cls, script, vocab_size=16, max_len=64, eos_token_ids=(), peak=10.0):
+        cfg = ModelConfig(vocab_size=vocab_size, num_layers=1, num_heads=1, num_kv_heads=1,
+                          head_dim=2, max_len=max_len, eos_token_ids=tuple(eos_token_ids))
+        return cls(cfg, tuple(script), peak)
+
+    def init_cache(self, batch, max_len, dtype=jnp.float32):
+        return KVCache.zeros(1, batch, max_len, 1, 2, dtype)
+
+    def forward(self, params, tokens, positions, cache, *, lengths):
+        script = jnp.asarray(self.script, jnp.int32)
+        nxt = script[jnp.clip(positions, 0, len(self.script) - 1)]
+        logits = jax.nn.one_hot(nxt, self.config.vocab_size, dtype=jnp.float32) * self.peak
+        real = jnp.arange(tokens.shape[1])[None, :] < lengths[:, None]
+        last = jnp.max(jnp.where(real, positions + 1, 0), axis=1)
+        new_len = jnp.where(lengths > 0, last, cache.lengths).astype(jnp.int32)
+        return logits, cache.replace(lengths=new_len)
