@@ -78,10 +78,18 @@ def write_positions(positions: Array, lengths: Array, max_len: int) -> Array:
 
 def write_kv(cache: KVCache, layer: int, k: Array, v: Array, write_pos: Array) -> KVCache:
     """Scatter this call's K/V ([B, T, kv_heads, head_dim]) into layer `layer` of the cache."""
-    rows = jnp.broadcast_to(jnp.arange(k.shape[0])[:, None], write_pos.shape)
-    new_k = cache.k.at[layer, rows, write_pos].set(k.astype(cache.k.dtype), mode="drop")
-    new_v = cache.v.at[layer, rows, write_pos].set(v.astype(cache.v.dtype), mode="drop")
+    b, t, kvh, _ = k.shape
+    rows = jnp.arange(b)[:, None, None]
+    heads = jnp.arange(kvh)[None, None, :]
+    pos = write_pos[:, :, None]
+    new_k = cache.k.at[layer, rows, heads, pos].set(k.astype(cache.k.dtype), mode="drop")
+    new_v = cache.v.at[layer, rows, heads, pos].set(v.astype(cache.v.dtype), mode="drop")
     return cache.replace(k=new_k, v=new_v)
+
+
+def heads_major(x: Array) -> Array:
+    """[B, T, heads, head_dim] -> [B, heads, T, head_dim], the cache layout."""
+    return x.transpose(0, 2, 1, 3)
 
 
 def updated_lengths(cache: KVCache, positions: Array, lengths: Array) -> Array:
@@ -94,23 +102,24 @@ def attention(q: Array, k: Array, v: Array, q_pos: Array, k_pos: Array,
               sliding_window: Optional[int] = None, scale: Optional[float] = None) -> Array:
     """Causal grouped-query attention by absolute position.
 
-    q: [B, T, H, D]; k, v: [B, S, KVH, D]; q_pos: int32[B, T]; k_pos: int32[S] or [B, S].
-    A query at position p sees keys at positions 0..p (and > p - window with a sliding window).
-    Returns [B, T, H, D].
+    q: [B, T, H, D]; k, v: [B, KVH, S, D] (heads-major, as in the cache); q_pos: int32[B, T];
+    k_pos: int32[S] or [B, S]. A query at position p sees keys at positions 0..p (and
+    > p - window with a sliding window). The G = H / KVH query heads of a group are folded into
+    the query axis so each (row, kv head) is one contiguous matrix product. Returns [B, T, H, D].
     """
     b, t, h, d = q.shape
-    kvh = k.shape[2]
+    kvh = k.shape[1]
     g = h // kvh
     scale = (1.0 / math.sqrt(d)) if scale is None else scale
-    qg = q.reshape(b, t, kvh, g, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
-    k_pos = jnp.broadcast_to(k_pos, (b, k.shape[1]))
+    qg = q.reshape(b, t, kvh, g, d).transpose(0, 2, 1, 3, 4).reshape(b, kvh, t * g, d)
+    scores = jnp.einsum("bkqd,bksd->bkqs", qg, k, preferred_element_type=jnp.float32) * scale
+    k_pos = jnp.broadcast_to(k_pos, (b, k.shape[2]))
     visible = k_pos[:, None, :] <= q_pos[:, :, None]  # [B, T, S]
     if sliding_window is not None:
         visible &= k_pos[:, None, :] > q_pos[:, :, None] - sliding_window
-    scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
+    scores = jnp.where(visible[:, None, :, None, :], scores.reshape(b, kvh, t, g, -1), -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1)
     # A padded query may see nothing; give it zeros rather than NaN.
-    probs = jnp.where(jnp.any(visible, -1)[:, None, None, :, None], probs, 0.0)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v.dtype), v)
-    return out.reshape(b, t, h, d)
+    probs = jnp.where(jnp.any(visible, -1)[:, None, :, None, None], probs, 0.0)
+    out = jnp.einsum("bkqs,bksd->bkqd", probs.reshape(b, kvh, t * g, -1).astype(v.dtype), v)
+    return out.reshape(b, kvh, t, g, d).transpose(0, 2, 1, 3, 4).reshape(b, t, h, d)

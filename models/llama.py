@@ -99,7 +99,8 @@ class Llama:
         """Full causal forward without a cache (training and full recompute)."""
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-        return self._run(params, tokens, positions, lambda i, k, v: (k, v, positions))
+        return self._run(params, tokens, positions,
+                         lambda i, k, v: (L.heads_major(k), L.heads_major(v), positions))
 
     # -- internals ----------------------------------------------------------------------------
 

@@ -1,0 +1,164 @@
+"""`jaxdecode bench`: decode throughput measured side by side in one run.
+
+Figures are ratios taken in the same process on the same weights: jaxdecode's on-device loop
+against Hugging Face PyTorch `generate`, and the batch-1 step time against the memory-bandwidth
+roofline (parameter bytes read per step / a measured GEMV bandwidth). Performance goals live
+here, never in timed unit tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import platform
+import statistics
+import time
+from typing import Any, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxdecode.config import SamplingParams
+from jaxdecode.decode import compilation_count, generate
+
+
+@dataclasses.dataclass
+class BenchConfig:
+    batches: Sequence[int] = (1, 16)
+    prompt_len: int = 16
+    new_tokens: int = 64
+    repeats: int = 3
+    seed: int = 0
+
+
+def machine() -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "backend": jax.default_backend(),
+            "device": jax.devices()[0].device_kind, "jax": jax.__version__,
+            "jaxlib": jax.lib.__version__ if hasattr(jax.lib, "__version__") else jax.__version__}
+
+
+def gemv_bandwidth(mbytes: int = 128, repeats: int = 20) -> float:
+    """Bytes/s streamed by an f32 matrix-vector product over a matrix of `mbytes` MB."""
+    cols = 4096
+    rows = mbytes * 2**20 // (4 * cols)
+    mat = jax.random.normal(jax.random.key(0), (rows, cols), jnp.float32)
+    vec = jnp.ones((cols,), jnp.float32)
+    f = jax.jit(lambda m, v: m @ v)
+    f(mat, vec).block_until_ready()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        f(mat, vec).block_until_ready()
+        times.append(time.perf_counter() - t0)
+    return mat.nbytes / min(times)
+
+
+def step_bytes(params: Any) -> int:
+    """Bytes a decode step must read: every parameter except the embedding table's unused rows."""
+    total = sum(x.nbytes for x in jax.tree.leaves(params))
+    if isinstance(params, dict) and "embed" in params and "lm_head" in params:
+        total -= params["embed"].nbytes
+    return total
+
+
+def _median_time(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return rng.integers(3, vocab, size=(batch, length)).tolist()
+
+
+def time_jaxdecode(model, params, batch: int, cfg: BenchConfig) -> dict:
+    ids = prompts(batch, cfg.prompt_len, model.config.vocab_size, cfg.seed)
+    sp = SamplingParams(temperature=0.0, max_tokens=cfg.new_tokens, ignore_eos=True)
+    short = SamplingParams(temperature=0.0, max_tokens=cfg.new_tokens // 8, ignore_eos=True)
+    run = lambda s: generate(model, params, ids, s).token_ids  # noqa: E731
+    c0 = compilation_count()
+    run(sp), run(short)  # warm-up (compiles)
+    warm_compiles = compilation_count() - c0
+    c1 = compilation_count()
+    total = _median_time(lambda: run(sp), cfg.repeats)
+    part = _median_time(lambda: run(short), cfg.repeats)
+    step = (total - part) / (cfg.new_tokens - cfg.new_tokens // 8)
+    return {"seconds": total, "tokens_per_s": batch * cfg.new_tokens / total,
+            "step_ms": step * 1e3, "compiles_warmup": warm_compiles,
+            "compiles_after_warmup": compilation_count() - c1}
+
+
+def time_hf(hf_model, batch: int, cfg: BenchConfig, vocab: int, threads: int) -> dict:
+    import torch
+
+    torch.set_num_threads(threads)
+    ids = torch.tensor(prompts(batch, cfg.prompt_len, vocab, cfg.seed))
+    kwargs = dict(max_new_tokens=cfg.new_tokens, min_new_tokens=cfg.new_tokens, do_sample=False,
+                  attention_mask=torch.ones_like(ids), pad_token_id=0)
+
+    def run():
+        with torch.inference_mode():
+            hf_model.generate(ids, **kwargs)
+
+    run()
+    total = _median_time(run, cfg.repeats)
+    return {"seconds": total, "tokens_per_s": batch * cfg.new_tokens / total}
+
+
+def run(model, params, cfg: BenchConfig, hf_model=None, hf_threads: Optional[int] = None,
+        progress=None) -> dict:
+    """Measure every batch size; `hf_model` (same weights) adds the HF column and ratios."""
+    report: dict = {"machine": machine(), "config": dataclasses.asdict(cfg),
+                    "model": {k: v for k, v in dataclasses.asdict(model.config).items()
+                              if not isinstance(v, (tuple, list)) or len(v) < 16},
+                    "param_bytes": int(sum(x.nbytes for x in jax.tree.leaves(params))),
+                    "step_bytes": int(step_bytes(params))}
+    bw = gemv_bandwidth()
+    report["gemv_bandwidth_gb_s"] = bw / 1e9
+    report["roofline_step_ms"] = report["step_bytes"] / bw * 1e3
+    rows = []
+    for batch in cfg.batches:
+        row = {"batch": batch, "jaxdecode": time_jaxdecode(model, params, batch, cfg)}
+        if hf_model is not None:
+            row["hf"] = time_hf(hf_model, batch, cfg, model.config.vocab_size,
+                                hf_threads or os.cpu_count())
+            row["ratio"] = row["jaxdecode"]["tokens_per_s"] / row["hf"]["tokens_per_s"]
+        if batch == 1:
+            report["roofline_fraction_batch1"] = report["roofline_step_ms"] / row["jaxdecode"]["step_ms"]
+        rows.append(row)
+        if progress:
+            progress(row)
+    report["rows"] = rows
+    return report
+
+
+def format_table(report: dict) -> str:
+    lines = [f"machine: {report['machine']['cpu']} ({report['machine']['cores']} cores), "
+             f"{report['machine']['backend']}, jax {report['machine']['jax']}",
+             f"params: {report['param_bytes'] / 1e6:.1f} MB; bytes read per step "
+             f"{report['step_bytes'] / 1e6:.1f} MB; GEMV bandwidth "
+             f"{report['gemv_bandwidth_gb_s']:.2f} GB/s -> roofline step "
+             f"{report['roofline_step_ms']:.2f} ms",
+             "| batch | jaxdecode tok/s | step ms | HF tok/s | ratio |",
+             "|---:|---:|---:|---:|---:|"]
+    for row in report["rows"]:
+        hf = row.get("hf", {}).get("tokens_per_s")
+        hf_cell = "-" if hf is None else f"{hf:.1f}"
+        ratio_cell = "-" if hf is None else f"{row['ratio']:.2f}x"
+        lines.append(f"| {row['batch']} | {row['jaxdecode']['tokens_per_s']:.1f} | "
+                     f"{row['jaxdecode']['step_ms']:.2f} | {hf_cell} | {ratio_cell} |")
+    if "roofline_fraction_batch1" in report:
+        lines.append(f"batch-1 step time vs roofline: {report['roofline_fraction_batch1'] * 100:.0f}% "
+                     f"of the bandwidth limit")
+    return "\n".join(lines)

@@ -1,0 +1,141 @@
+"""GPT-2 as one batched, pure JAX model (same protocol and style as `models.llama`).
+
+Learned absolute position embeddings, pre-LayerNorm blocks with biases, a GELU MLP and (by
+default) the LM head tied to the token embedding. HF stores GPT-2's projections as `Conv1D`
+([in, out], i.e. already `x @ w`) and fuses q/k/v into `c_attn`; `models.hf` splits it.
+
+Params pytree:
+    embed [V, D]; pos_embed [P, D]; final_norm [D]; final_norm_bias [D]; lm_head [D, V] (absent when tied);
+    layers: list of {attn_norm [D], attn_norm_bias [D], q/k/v [D, H*hd], q_bias/k_bias/v_bias [H*hd],
+                     o [H*hd, D], o_bias [D], mlp_norm [D], mlp_norm_bias [D],
+                     fc [D, F], fc_bias [F], proj [F, D], proj_bias [D]}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+
+from jaxdecode.model_api import KVCache, ModelConfig
+from models import layers as L
+
+Array = jax.Array
+
+ACTIVATIONS = {
+    "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu_fast": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "relu": jax.nn.relu,
+    "silu": jax.nn.silu,
+    "swish": jax.nn.silu,
+    "quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class GPT2Config(ModelConfig):
+    hidden_size: int = 768
+    intermediate_size: int = 3072
+    layer_norm_eps: float = 1e-5
+    activation: str = "gelu_new"
+    scale_attn_weights: bool = True
+    scale_attn_by_inverse_layer_idx: bool = False
+    tie_word_embeddings: bool = True
+
+    def __post_init__(self):
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation: unsupported {self.activation!r} "
+                             f"(supported: {', '.join(sorted(ACTIVATIONS))})")
+
+
+@dataclasses.dataclass(frozen=True)
+class GPT2:
+    """Implements `jaxdecode.model_api.DecoderModel`."""
+
+    config: GPT2Config
+
+    def init_cache(self, batch: int, max_len: int, dtype: Any = jnp.float32) -> KVCache:
+        c = self.config
+        return KVCache.zeros(c.num_layers, batch, max_len, c.num_kv_heads, c.head_dim, dtype)
+
+    def init_params(self, key: Array, dtype: Any = jnp.float32, scale: float = 0.02) -> dict:
+        """Random parameters (normal * scale, norms at 1, biases at 0)."""
+        c = self.config
+        d, f, hd = c.hidden_size, c.intermediate_size, c.num_heads * c.head_dim
+        shapes = {"q": (d, hd), "k": (d, hd), "v": (d, hd), "o": (hd, d),
+                  "fc": (d, f), "proj": (f, d)}
+        keys = iter(jax.random.split(key, 3 + c.num_layers * len(shapes)))
+
+        def normal(shape):
+            return (scale * jax.random.normal(next(keys), shape, jnp.float32)).astype(dtype)
+
+        layers = []
+        for _ in range(c.num_layers):
+            layer = {name: normal(shape) for name, shape in shapes.items()}
+            for name, shape in shapes.items():
+                layer[name + "_bias"] = jnp.zeros((shape[1],), dtype)
+            for norm in ("attn_norm", "mlp_norm"):
+                layer[norm] = jnp.ones((d,), dtype)
+                layer[norm + "_bias"] = jnp.zeros((d,), dtype)
+            layers.append(layer)
+        params = {"embed": normal((c.vocab_size, d)), "pos_embed": normal((c.max_len, d)),
+                  "layers": layers, "final_norm": jnp.ones((d,), dtype),
+                  "final_norm_bias": jnp.zeros((d,), dtype)}
+        if not c.tie_word_embeddings:
+            params["lm_head"] = normal((d, c.vocab_size))
+        return params
+
+    # -- the protocol -------------------------------------------------------------------------
+
+    def forward(self, params: dict, tokens: Array, positions: Array, cache: KVCache, *,
+                lengths: Array) -> tuple[Array, KVCache]:
+        write_pos = L.write_positions(positions, lengths, cache.max_len)
+        k_pos = jnp.arange(cache.max_len, dtype=jnp.int32)
+        new_lengths = L.updated_lengths(cache, positions, lengths)
+
+        def kv_source(i, k, v):
+            nonlocal cache
+            cache = L.write_kv(cache, i, k, v, write_pos)
+            return cache.k[i], cache.v[i], k_pos
+
+        logits = self._run(params, tokens, positions, kv_source)
+        return logits, cache.replace(lengths=new_lengths)
+
+    def logits(self, params: dict, tokens: Array, positions: Optional[Array] = None) -> Array:
+        """Full causal forward without a cache (training and full recompute)."""
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        return self._run(params, tokens, positions,
+                         lambda i, k, v: (L.heads_major(k), L.heads_major(v), positions))
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _run(self, params: dict, tokens: Array, positions: Array, kv_source) -> Array:
+        c = self.config
+        b, t = tokens.shape
+        act = ACTIVATIONS[c.activation]
+        eps = c.layer_norm_eps
+        # Padding may carry any position; clip so the lookup stays in the table.
+        x = params["embed"][tokens] + jnp.take(params["pos_embed"], positions, axis=0, mode="clip")
+        for i, p in enumerate(params["layers"]):
+            h = L.layer_norm(x, p["attn_norm"], p["attn_norm_bias"], eps)
+            q = (h @ p["q"] + p["q_bias"]).reshape(b, t, c.num_heads, c.head_dim)
+            k = (h @ p["k"] + p["k_bias"]).reshape(b, t, c.num_kv_heads, c.head_dim)
+            v = (h @ p["v"] + p["v_bias"]).reshape(b, t, c.num_kv_heads, c.head_dim)
+            keys, values, k_pos = kv_source(i, k, v)
+            scale = 1.0 / math.sqrt(c.head_dim) if c.scale_attn_weights else 1.0
+            if c.scale_attn_by_inverse_layer_idx:
+                scale /= float(i + 1)
+            attn = L.attention(q, keys.astype(q.dtype), values.astype(q.dtype), positions, k_pos,
+                               None, scale)
+            x = x + attn.reshape(b, t, -1) @ p["o"] + p["o_bias"]
+            h = L.layer_norm(x, p["mlp_norm"], p["mlp_norm_bias"], eps)
+            x = x + act(h @ p["fc"] + p["fc_bias"]) @ p["proj"] + p["proj_bias"]
+        x = L.layer_norm(x, params["final_norm"], params["final_norm_bias"], eps)
+        head = params["embed"].T if c.tie_word_embeddings else params["lm_head"]
+        return jnp.dot(x, head, preferred_element_type=jnp.float32)

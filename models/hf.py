@@ -1,0 +1,418 @@
+"""Load a local Hugging Face checkpoint directory as (model, params, tokenizer), with no network.
+
+Reads `config.json` (old and transformers-5 keys: `rope_scaling`/`rope_theta` or
+`rope_parameters`, `torch_dtype` or `dtype`), `generation_config.json` (EOS ids),
+`model.safetensors` or a sharded `model.safetensors.index.json`, and the tokenizer files.
+Safetensors are parsed here with numpy (+ ml_dtypes for bf16/fp8): no torch, no flax import.
+
+Every problem with the directory raises `CheckpointError` (a `ValueError`) whose message names
+the file and, where there is one, the tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+from typing import Any, Optional
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from models import layers as L
+from models.gpt2 import ACTIVATIONS, GPT2, GPT2Config
+from models.llama import Llama, LlamaConfig
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that cannot be loaded; the message names the file (and tensor)."""
+
+
+# architecture class name -> family; model_type -> family
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "GPT2LMHeadModel": "gpt2",
+}
+MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "gpt2": "gpt2"}
+
+_ST_DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
+    "BOOL": np.bool_,
+}
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+# -- public entry point ---------------------------------------------------------------------------
+
+def load(path: str | os.PathLike, dtype: Any = None):
+    """Load `path` (a local HF checkpoint directory) as `(model, params, tokenizer)`.
+
+    dtype=None keeps each tensor's checkpoint dtype; otherwise floating tensors are cast to it.
+    The tokenizer is a `transformers` tokenizer loaded from local files only, or None when the
+    directory holds no tokenizer files.
+    """
+    root = Path(path).expanduser()
+    if not root.is_dir():
+        raise CheckpointError(f"{root}: not a checkpoint directory")
+    config_file = root / "config.json"
+    config = _read_json(config_file, required=True)
+    family = _family(config, config_file)
+    gen_config = _read_json(root / "generation_config.json", required=False) or {}
+    eos = _eos_ids(gen_config.get("eos_token_id"), config.get("eos_token_id"))
+
+    tensors = _TensorIndex(root)
+    if family == "gpt2":
+        model = GPT2(_gpt2_config(config, config_file, eos))
+        params = _gpt2_params(model.config, tensors, dtype)
+    else:
+        model = Llama(_llama_config(config, config_file, family, eos))
+        params = _llama_params(model.config, tensors, dtype)
+    return model, params, _load_tokenizer(root)
+
+
+# -- config.json ----------------------------------------------------------------------------------
+
+def _read_json(file: Path, required: bool) -> Optional[dict]:
+    if not file.exists():
+        if required:
+            raise CheckpointError(f"{file}: file not found")
+        return None
+    try:
+        with open(file, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{file}: cannot read JSON ({e})") from e
+
+
+def _family(config: dict, config_file: Path) -> str:
+    archs = config.get("architectures") or []
+    for arch in archs:
+        if arch in ARCHITECTURES:
+            return ARCHITECTURES[arch]
+    model_type = config.get("model_type")
+    causal = all(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs)
+    if model_type in MODEL_TYPES and causal:
+        return MODEL_TYPES[model_type]
+    raise CheckpointError(
+        f"{config_file}: unsupported architecture {archs or None!r} (model_type {model_type!r}); "
+        f"supported: {', '.join(ARCHITECTURES)} (model_type {', '.join(MODEL_TYPES)})")
+
+
+def _ids(value) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple)):
+        return [int(v) for v in value]
+    return [int(value)]
+
+
+def _eos_ids(*values) -> tuple[int, ...]:
+    out: list[int] = []
+    for v in values:
+        for i in _ids(v):
+            if i not in out:
+                out.append(i)
+    return tuple(out)
+
+
+def _hashable(v):
+    if isinstance(v, list):
+        return tuple(_hashable(x) for x in v)
+    if isinstance(v, dict):
+        return tuple(sorted((k, _hashable(x)) for k, x in v.items()))
+    return v
+
+
+def _rope(config: dict, config_file: Path, head_dim: int) -> tuple[float, tuple]:
+    """(rope_theta, sorted rope_scaling items) from old (`rope_theta`, `rope_scaling`) or
+    transformers-5 (`rope_parameters`) keys; the default rope type gives ()."""
+    params = config.get("rope_parameters") or {}
+    if params and all(isinstance(v, dict) for v in params.values()):  # per layer type
+        if "full_attention" not in params:
+            raise CheckpointError(f"{config_file}: unsupported rope_parameters {params!r}")
+        params = params["full_attention"]
+    scaling = config.get("rope_scaling")
+    if scaling is None:
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    theta = config.get("rope_theta")
+    if theta is None:
+        theta = params.get("rope_theta", (scaling or {}).get("rope_theta", 10000.0))
+    scaling = {k: v for k, v in (scaling or {}).items() if k != "rope_theta"}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind in (None, "default"):
+        return float(theta), ()
+    try:
+        L.rope_inv_freq(head_dim, float(theta), scaling)
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{config_file}: rope scaling {scaling!r}: {e}") from e
+    return float(theta), _hashable(scaling)
+
+
+def _llama_config(config: dict, config_file: Path, family: str, eos) -> LlamaConfig:
+    def need(key):
+        if config.get(key) is None:
+            raise CheckpointError(f"{config_file}: missing {key!r}")
+        return config[key]
+
+    hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
+    head_dim = int(config.get("head_dim") or hidden // heads)
+    act = config.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise CheckpointError(f"{config_file}: unsupported hidden_act {act!r} (only silu)")
+    if config.get("mlp_bias"):
+        raise CheckpointError(f"{config_file}: mlp_bias=true is not supported")
+    if family == "qwen2":
+        bias = True  # Qwen2 always has q/k/v biases (and no o bias)
+    else:
+        if config.get("attention_bias"):
+            raise CheckpointError(f"{config_file}: attention_bias=true (with an o_proj bias) is "
+                                  f"not supported for {family}")
+        bias = False
+    window = _sliding_window(config, config_file, family)
+    theta, scaling = _rope(config, config_file, head_dim)
+    return LlamaConfig(
+        vocab_size=int(need("vocab_size")),
+        num_layers=int(need("num_hidden_layers")),
+        num_heads=heads,
+        num_kv_heads=int(config.get("num_key_value_heads") or heads),
+        head_dim=head_dim,
+        max_len=int(config.get("max_position_embeddings") or 2048),
+        eos_token_ids=eos,
+        hidden_size=hidden,
+        intermediate_size=int(need("intermediate_size")),
+        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        attention_bias=bias,
+        sliding_window=window,
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+    )
+
+
+def _sliding_window(config: dict, config_file: Path, family: str) -> Optional[int]:
+    if family == "llama":
+        return None
+    window = config.get("sliding_window")
+    if family == "qwen2":
+        if not config.get("use_sliding_window", False) or window is None:
+            return None
+        n = int(config["num_hidden_layers"])
+        types = config.get("layer_types") or [
+            "sliding_attention" if i >= int(config.get("max_window_layers", n)) else
+            "full_attention" for i in range(n)]
+        if all(t == "full_attention" for t in types):
+            return None
+        if not all(t == "sliding_attention" for t in types):
+            raise CheckpointError(f"{config_file}: sliding window on only some layers "
+                                  f"(layer_types {types}) is not supported")
+    return int(window) if window is not None else None
+
+
+def _gpt2_config(config: dict, config_file: Path, eos) -> GPT2Config:
+    def need(*keys):
+        for k in keys:
+            if config.get(k) is not None:
+                return config[k]
+        raise CheckpointError(f"{config_file}: missing {keys[0]!r}")
+
+    hidden, heads = int(need("n_embd", "hidden_size")), int(need("n_head", "num_attention_heads"))
+    act = config.get("activation_function", "gelu_new")
+    if act not in ACTIVATIONS:
+        raise CheckpointError(f"{config_file}: unsupported activation_function {act!r}")
+    return GPT2Config(
+        vocab_size=int(need("vocab_size")),
+        num_layers=int(need("n_layer", "num_hidden_layers")),
+        num_heads=heads,
+        num_kv_heads=heads,
+        head_dim=hidden // heads,
+        max_len=int(need("n_positions", "n_ctx", "max_position_embeddings")),
+        eos_token_ids=eos,
+        hidden_size=hidden,
+        intermediate_size=int(config.get("n_inner") or 4 * hidden),
+        layer_norm_eps=float(config.get("layer_norm_epsilon", 1e-5)),
+        activation=act,
+        scale_attn_weights=bool(config.get("scale_attn_weights", True)),
+        scale_attn_by_inverse_layer_idx=bool(config.get("scale_attn_by_inverse_layer_idx", False)),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", True)),
+    )
+
+
+# -- safetensors ----------------------------------------------------------------------------------
+
+class _TensorIndex:
+    """Name -> (file, header entry) over `model.safetensors` or its sharded index."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        single, index = root / "model.safetensors", root / "model.safetensors.index.json"
+        self.where: dict[str, Path] = {}
+        self.headers: dict[Path, dict] = {}
+        if index.exists():
+            weight_map = (_read_json(index, required=True) or {}).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(f"{index}: no 'weight_map'")
+            by_file: dict[str, list[str]] = {}
+            for name, file in weight_map.items():
+                by_file.setdefault(file, []).append(name)
+            for file, names in by_file.items():
+                shard = root / file
+                if not shard.exists():
+                    raise CheckpointError(
+                        f"{shard}: shard file listed in {index.name} is missing "
+                        f"(it holds {len(names)} tensors, e.g. {sorted(names)[0]!r})")
+                for name in names:
+                    self.where[name] = shard
+            self.description = f"{index} (and its shards)"
+        elif single.exists():
+            self.headers[single] = _read_header(single)
+            for name in self.headers[single]:
+                if name != "__metadata__":
+                    self.where[name] = single
+            self.description = str(single)
+        else:
+            raise CheckpointError(f"{root}: no model.safetensors or model.safetensors.index.json")
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.where
+
+    def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        if name not in self.where:
+            raise CheckpointError(f"{self.description}: missing tensor {name!r}")
+        file = self.where[name]
+        if file not in self.headers:
+            self.headers[file] = _read_header(file)
+        header = self.headers[file]
+        entry = header.get(name)
+        if entry is None:
+            raise CheckpointError(f"{file}: missing tensor {name!r} (listed in the index)")
+        got = tuple(entry.get("shape", ()))
+        if got != tuple(shape):
+            raise CheckpointError(f"{file}: tensor {name!r} has shape {list(got)}, "
+                                  f"expected {list(shape)} from config.json")
+        dtype = _ST_DTYPES.get(entry.get("dtype"))
+        if dtype is None:
+            raise CheckpointError(f"{file}: tensor {name!r} has unsupported dtype {entry.get('dtype')!r}")
+        begin, end = entry["data_offsets"]
+        count = int(np.prod(shape, dtype=np.int64))
+        if end - begin != count * np.dtype(dtype).itemsize:
+            raise CheckpointError(f"{file}: tensor {name!r}: byte size does not match its shape")
+        data = np.memmap(file, dtype=np.uint8, mode="r", offset=header["__data_start__"] + begin,
+                         shape=(end - begin,)) if count else np.zeros((0,), np.uint8)
+        return np.asarray(data).view(dtype).reshape(shape)
+
+
+def _read_header(file: Path) -> dict:
+    try:
+        with open(file, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+        size = file.stat().st_size
+    except (OSError, struct.error, ValueError) as e:
+        raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from e
+    header["__data_start__"] = 8 + n
+    for name, entry in header.items():
+        if name.startswith("__"):
+            continue
+        if 8 + n + entry["data_offsets"][1] > size:
+            raise CheckpointError(f"{file}: tensor {name!r} extends past the end of the file "
+                                  "(truncated file?)")
+    return header
+
+
+def _to_jax(a: np.ndarray, dtype: Any) -> jnp.ndarray:
+    if dtype is not None and jnp.issubdtype(a.dtype, jnp.floating):
+        a = a.astype(jnp.dtype(dtype))
+    return jnp.asarray(np.ascontiguousarray(a))
+
+
+def _llama_params(c: LlamaConfig, t: _TensorIndex, dtype) -> dict:
+    d, hd, f = c.hidden_size, c.head_dim, c.intermediate_size
+    qd, kvd = c.num_heads * hd, c.num_kv_heads * hd
+
+    def get(name, shape, transpose=False):
+        a = t.get(name, shape)
+        return _to_jax(a.T if transpose else a, dtype)
+
+    layers = []
+    for i in range(c.num_layers):
+        pre = f"model.layers.{i}."
+        layer = {
+            "attn_norm": get(pre + "input_layernorm.weight", (d,)),
+            "q": get(pre + "self_attn.q_proj.weight", (qd, d), True),
+            "k": get(pre + "self_attn.k_proj.weight", (kvd, d), True),
+            "v": get(pre + "self_attn.v_proj.weight", (kvd, d), True),
+            "o": get(pre + "self_attn.o_proj.weight", (d, qd), True),
+            "mlp_norm": get(pre + "post_attention_layernorm.weight", (d,)),
+            "gate": get(pre + "mlp.gate_proj.weight", (f, d), True),
+            "up": get(pre + "mlp.up_proj.weight", (f, d), True),
+            "down": get(pre + "mlp.down_proj.weight", (d, f), True),
+        }
+        if c.attention_bias:
+            layer["q_bias"] = get(pre + "self_attn.q_proj.bias", (qd,))
+            layer["k_bias"] = get(pre + "self_attn.k_proj.bias", (kvd,))
+            layer["v_bias"] = get(pre + "self_attn.v_proj.bias", (kvd,))
+        layers.append(layer)
+    params = {"embed": get("model.embed_tokens.weight", (c.vocab_size, d)), "layers": layers,
+              "final_norm": get("model.norm.weight", (d,))}
+    if not c.tie_word_embeddings:
+        params["lm_head"] = get("lm_head.weight", (c.vocab_size, d), True)
+    return params
+
+
+def _gpt2_params(c: GPT2Config, t: _TensorIndex, dtype) -> dict:
+    d, f = c.hidden_size, c.intermediate_size
+    pre = "transformer." if "transformer.wte.weight" in t else ""
+
+    def get(name, shape):
+        return t.get(pre + name, shape)
+
+    def jx(a):
+        return _to_jax(a, dtype)
+
+    layers = []
+    for i in range(c.num_layers):
+        h = f"h.{i}."
+        w = get(h + "attn.c_attn.weight", (d, 3 * d))      # Conv1D: [in, out]
+        b = get(h + "attn.c_attn.bias", (3 * d,))
+        layers.append({
+            "attn_norm": jx(get(h + "ln_1.weight", (d,))),
+            "attn_norm_bias": jx(get(h + "ln_1.bias", (d,))),
+            "q": jx(w[:, :d]), "k": jx(w[:, d:2 * d]), "v": jx(w[:, 2 * d:]),
+            "q_bias": jx(b[:d]), "k_bias": jx(b[d:2 * d]), "v_bias": jx(b[2 * d:]),
+            "o": jx(get(h + "attn.c_proj.weight", (d, d))),
+            "o_bias": jx(get(h + "attn.c_proj.bias", (d,))),
+            "mlp_norm": jx(get(h + "ln_2.weight", (d,))),
+            "mlp_norm_bias": jx(get(h + "ln_2.bias", (d,))),
+            "fc": jx(get(h + "mlp.c_fc.weight", (d, f))),
+            "fc_bias": jx(get(h + "mlp.c_fc.bias", (f,))),
+            "proj": jx(get(h + "mlp.c_proj.weight", (f, d))),
+            "proj_bias": jx(get(h + "mlp.c_proj.bias", (d,))),
+        })
+    params = {"embed": jx(get("wte.weight", (c.vocab_size, d))),
+              "pos_embed": jx(get("wpe.weight", (c.max_len, d))),
+              "layers": layers,
+              "final_norm": jx(get("ln_f.weight", (d,))),
+              "final_norm_bias": jx(get("ln_f.bias", (d,)))}
+    if not c.tie_word_embeddings:
+        params["lm_head"] = jx(t.get("lm_head.weight", (c.vocab_size, d)).T)
+    return params
+
+
+# -- tokenizer ------------------------------------------------------------------------------------
+
+def _load_tokenizer(root: Path):
+    if not any((root / name).exists() for name in _TOKENIZER_FILES):
+        return None
+    # Imported here: transformers is heavy (and imports torch when it is installed).
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(str(root), local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - report which directory failed, keep the cause
+        raise CheckpointError(f"{root}: cannot load the tokenizer ({type(e).__name__}: {e})") from e

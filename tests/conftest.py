@@ -1,0 +1,118 @@
+"""Shared fixtures.
+
+`tiny_hf_checkpoint(name)` builds (once per session, lazily) a tiny randomly initialised Hugging
+Face checkpoint directory with transformers + torch on CPU: config.json, generation_config.json,
+safetensors weights and a small trained tokenizer, so `models.load(path)` works end to end.
+Names: see `HF_CHECKPOINTS`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+# Tiny sizes: 2 layers, 4 heads (2 KV heads where the family has GQA), vocab 128.
+VOCAB = 128
+EOS_ID = 2
+_LLAMA_GEOMETRY = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                       rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=EOS_ID, pad_token_id=0)
+
+HF_CHECKPOINTS = {
+    # name: (transformers config class, model class, config kwargs, extra save kwargs)
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(_LLAMA_GEOMETRY), {}),
+    "llama3": ("LlamaConfig", "LlamaForCausalLM",
+               dict(_LLAMA_GEOMETRY, rope_theta=500000.0,
+                    rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
+               {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(_LLAMA_GEOMETRY, sliding_window=4), {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM",
+              dict(_LLAMA_GEOMETRY, tie_word_embeddings=True, use_sliding_window=False), {}),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel",
+             dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                  bos_token_id=1, eos_token_id=EOS_ID, pad_token_id=0), {}),
+    # The plain llama weights again, written as several shards with an index.
+    "llama_sharded": ("LlamaConfig", "LlamaForCausalLM", dict(_LLAMA_GEOMETRY),
+                      {"max_shard_size": "20KB"}),
+}
+
+# generation_config.json eos ids (merged with config.json's by models.load)
+GENERATION_EOS = {"llama": [3, EOS_ID]}
+
+_SENTENCES = [
+    "the quick brown fox jumps over the lazy dog",
+    "a small model decodes tokens one step at a time",
+    "jax compiles the decoder once and runs it many times",
+    "hello world this is a tiny tokenizer for tests",
+    "sliding windows and rotary positions make attention local",
+]
+
+
+def _randomize(model, seed: int, std: float = 0.15):
+    """Replace every parameter with seeded noise (norm weights near 1, biases nonzero), so that
+    attention is peaked and biases, norms and positions all matter for parity."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g, dtype=torch.float32)
+            is_norm = ("norm" in name or ".ln_" in name) and name.endswith("weight")
+            p.copy_(1.0 + 0.1 * noise if is_norm else std * noise)
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer_dir(tmp_path_factory) -> Path:
+    """A small BPE tokenizer (trained here) saved as a transformers fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    trainer = trainers.BpeTrainer(vocab_size=120, special_tokens=["<pad>", "<s>", "</s>", "<unk>"],
+                                  show_progress=False)
+    tok.train_from_iterator(_SENTENCES, trainer)
+    assert tok.get_vocab_size() <= VOCAB and tok.token_to_id("</s>") == EOS_ID
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>",
+                                   eos_token="</s>", unk_token="<unk>")
+    out = tmp_path_factory.mktemp("hf_tokenizer")
+    fast.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_checkpoint(tmp_path_factory, hf_tokenizer_dir):
+    """`tiny_hf_checkpoint(name) -> Path` of a saved tiny HF checkpoint (built on first use)."""
+    import shutil
+
+    built: dict[str, Path] = {}
+
+    def build(name: str) -> Path:
+        if name in built:
+            return built[name]
+        import torch
+        import transformers
+
+        config_cls, model_cls, kwargs, save_kwargs = HF_CHECKPOINTS[name]
+        config = getattr(transformers, config_cls)(**kwargs)
+        torch.manual_seed(0)
+        model = getattr(transformers, model_cls)(config).to(torch.float32).eval()
+        seed = sorted(HF_CHECKPOINTS).index(name.replace("_sharded", ""))
+        _randomize(model, seed)
+        out = tmp_path_factory.mktemp(f"hf_{name}")
+        model.save_pretrained(out, safe_serialization=True, **save_kwargs)
+        if name in GENERATION_EOS:
+            gen_file = out / "generation_config.json"
+            gen = json.loads(gen_file.read_text())
+            gen["eos_token_id"] = GENERATION_EOS[name]
+            gen_file.write_text(json.dumps(gen))
+        for f in hf_tokenizer_dir.iterdir():
+            shutil.copy(f, out / f.name)
+        built[name] = out
+        return out
+
+    return build
