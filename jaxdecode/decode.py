@@ -202,6 +202,30 @@ def _generate_loop(model, params, state: StepState, num_steps: int, top_logprobs
     return state, buffers
 
 
+def iterate(model: DecoderModel, params: Any, state: StepState, num_steps: int,
+            top_logprobs: int = 0):
+    """The Python-loop driver of `decode_step`: yields (state, host StepOutput) per step.
+
+    Step t+1 is dispatched before step t's output is fetched, so host work on the yielded
+    tokens overlaps the device step (JAX async dispatch). Stops once every row has ended; the
+    one step dispatched past that changes nothing (finished rows select and write nothing).
+    The yielded state is the newest one (already one step ahead of the output)."""
+    done = np.array(state.done)
+    if done.all() or num_steps < 1:
+        return
+    state, out = decode_step_jit(model, params, state, top_logprobs)
+    for i in range(num_steps):
+        following = None
+        if i + 1 < num_steps:
+            state, following = decode_step_jit(model, params, state, top_logprobs)
+        host = jax.device_get(out)
+        yield state, host
+        done |= host.finish != RUNNING
+        if done.all() or following is None:
+            return
+        out = following
+
+
 def prepare(model: DecoderModel, params: Any, prompt_ids: Sequence[Sequence[int]],
             sampling: SamplingParams | Sequence[SamplingParams], max_new_tokens: Optional[int],
             key: Optional[Array], eos_token_ids: Optional[Sequence[int]] = None):
@@ -262,12 +286,9 @@ def generate(model: DecoderModel, params: Any, prompt_ids: Sequence[Sequence[int
         tokens, logprob, top_ids, top_lp = (np.asarray(x) for x in bufs)
     else:
         outs = []
-        for _ in range(n):
-            state, out = decode_step_jit(model, params, state, k)
+        for state, out in iterate(model, params, state, n, k):
             outs.append(out)
-            if bool(np.all(np.asarray(state.done))):
-                break
-        stack = lambda name: np.stack([np.asarray(getattr(o, name)) for o in outs], 1)  # noqa: E731
+        stack = lambda name: np.stack([getattr(o, name) for o in outs], 1)  # noqa: E731
         tokens, logprob, top_ids, top_lp = (stack(x) for x in
                                             ("token", "logprob", "top_ids", "top_logprobs"))
     finish = np.asarray(state.finish)

@@ -1,0 +1,235 @@
+"""The `jaxdecode` command: the composition root that wires `jaxdecode`, `models` (and later
+`serving`) together. Only this module of `jaxdecode` imports `models`, inside the subcommands.
+
+    jaxdecode generate [--model DIR|demo] [--prompt TEXT | --prompt-file F] [--max-tokens N] ...
+    jaxdecode bench [--model DIR|demo|CONFIG] [--batch N]... [--compare-hf] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Optional, Sequence
+
+# Named random-weight configurations for `bench --model CONFIG` (HF LlamaConfig keywords).
+BENCH_CONFIGS = {
+    # The reference configuration of issue #2: Llama-like, ~29M parameters, fp32.
+    "llama-512": dict(vocab_size=8192, hidden_size=512, intermediate_size=1376,
+                      num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8,
+                      max_position_embeddings=512, rms_norm_eps=1e-5),
+    "llama-tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       max_position_embeddings=256, rms_norm_eps=1e-5),
+}
+
+
+def load_model(spec: str, dtype: Optional[str] = None):
+    """(model, params, tokenizer) from "demo" or a local Hugging Face directory."""
+    import models
+
+    if spec == "demo":
+        return models.demo()
+    if not os.path.isdir(spec):
+        raise SystemExit(f"--model: {spec!r} is neither 'demo' nor a checkpoint directory")
+    return models.load(spec, dtype=dtype)
+
+
+def sampling_from_args(args) -> "SamplingParams":
+    from jaxdecode.config import SamplingParams
+
+    try:
+        return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                              min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                              max_tokens=args.max_tokens, stop=tuple(args.stop or ()),
+                              seed=args.seed, ignore_eos=args.ignore_eos)
+    except ValueError as e:
+        raise SystemExit(f"--{str(e).split(':')[0].replace('_', '-')}: {e}")
+
+
+def cmd_generate(args) -> int:
+    import jax
+
+    from jaxdecode import decode
+    from jaxdecode.host import TextPipeline
+    from jaxdecode.state import RUNNING
+    from jaxdecode.tokenization import encode
+    from jaxdecode.types import DecodingError, FinishReason
+
+    if args.prompt_file:
+        with open(args.prompt_file, encoding="utf-8") as f:
+            prompt = f.read()
+    elif args.prompt is not None:
+        prompt = args.prompt
+    else:
+        raise SystemExit("--prompt or --prompt-file is required")
+    sp = sampling_from_args(args)
+    model, params, tokenizer = load_model(args.model)
+    prompt_ids = encode(tokenizer, prompt)
+    if not prompt_ids:
+        raise SystemExit("--prompt: the prompt encodes to no tokens")
+    key = jax.random.key(int.from_bytes(os.urandom(4), "little")) if sp.seed is None else None
+    t0 = time.perf_counter()
+    try:
+        state, (row,), n = decode.prepare(model, params, [prompt_ids], sp, None, key)
+    except ValueError as e:
+        raise SystemExit(str(e))
+    pipe = TextPipeline(tokenizer, prompt_ids=prompt_ids, stop=sp.stop,
+                        stop_token_sequences=sp.stop_id_sequences, errors=sp.utf8_errors)
+    stream = not (args.no_stream or args.json)
+    pieces: list[str] = []
+    token_ids: list[int] = []
+    reason = FinishReason.MAX_OUTPUT_TOKENS
+    first_token_s = None
+
+    def show(text: str) -> None:
+        pieces.append(text)
+        if stream and text:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+
+    if stream:
+        sys.stdout.write(prompt)
+    try:
+        for _, out in decode.iterate(model, params, state, n):
+            token, code = int(out.token[0]), int(out.finish[0])
+            first_token_s = first_token_s or time.perf_counter() - t0
+            token_ids.append(token)
+            if code in (decode.EOS, decode.STOP_TOKEN):  # never shown (D6, S8)
+                reason = decode.FINISH_REASONS[code]
+                break
+            if code in (decode.ALL_MASKED, decode.MODEL_ERROR):
+                raise SystemExit(f"generation failed: {decode.ERRORS[code].value}")
+            pushed = pipe.push(token)
+            show(pushed.text)
+            if pushed.hit is not None:
+                break
+            if code != RUNNING:
+                reason = decode.FINISH_REASONS[code]
+                break
+        final = pipe.finish(reason)
+    except DecodingError as e:
+        raise SystemExit(f"generation failed: decoding_error: {e}")
+    show(final.text)
+    elapsed = time.perf_counter() - t0
+    text = "".join(pieces)
+    if stream:
+        sys.stdout.write("\n")
+    if args.json:
+        print(json.dumps({"text": text, "token_ids": token_ids,
+                          "finish_reason": final.finish_reason.value,
+                          "usage": {"prompt_tokens": len(prompt_ids),
+                                    "selected_tokens": len(token_ids),
+                                    "returned_tokens": pipe.returned_tokens},
+                          "seconds": round(elapsed, 3)}, ensure_ascii=False))
+    elif not stream:
+        print(text)
+    else:
+        print(f"[{final.finish_reason.value}; {len(token_ids)} tokens in {elapsed:.2f}s, "
+              f"first after {first_token_s or 0:.2f}s]", file=sys.stderr)
+    return 0
+
+
+def _bench_model(spec: str, compare_hf: bool, workdir: str):
+    """(model, params, hf_model or None) on the same weights."""
+    import models
+
+    if spec in BENCH_CONFIGS:
+        if not compare_hf:
+            import jax
+
+            c = BENCH_CONFIGS[spec]
+            model = models.Llama(models.LlamaConfig(
+                vocab_size=c["vocab_size"], num_layers=c["num_hidden_layers"],
+                num_heads=c["num_attention_heads"], num_kv_heads=c["num_key_value_heads"],
+                head_dim=c["hidden_size"] // c["num_attention_heads"],
+                max_len=c["max_position_embeddings"], hidden_size=c["hidden_size"],
+                intermediate_size=c["intermediate_size"], rms_norm_eps=c["rms_norm_eps"]))
+            return model, model.init_params(jax.random.key(0)), None
+        import torch
+        import transformers
+
+        torch.manual_seed(0)
+        hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**BENCH_CONFIGS[spec]))
+        hf = hf.to(torch.float32).eval()
+        hf.save_pretrained(workdir, safe_serialization=True)
+        model, params, _ = models.load(workdir)
+        return model, params, hf
+    model, params, _ = load_model(spec)
+    hf = None
+    if compare_hf:
+        if spec == "demo":
+            raise SystemExit("--compare-hf: needs a Hugging Face directory or a named config")
+        import torch
+        import transformers
+
+        hf = transformers.AutoModelForCausalLM.from_pretrained(spec, dtype=torch.float32).eval()
+    return model, params, hf
+
+
+def cmd_bench(args) -> int:
+    import tempfile
+
+    from jaxdecode import bench
+
+    cfg = bench.BenchConfig(batches=tuple(args.batch or (1, 16)), prompt_len=args.prompt_len,
+                            new_tokens=args.new_tokens, repeats=args.repeats)
+    with tempfile.TemporaryDirectory() as workdir:
+        model, params, hf = _bench_model(args.model, args.compare_hf, workdir)
+        report = bench.run(model, params, cfg, hf_model=hf, hf_threads=args.hf_threads,
+                           progress=lambda row: print(json.dumps(row), file=sys.stderr))
+    report["model_spec"] = args.model
+    print(bench.format_table(report))
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jaxdecode", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="stream a completion to the terminal")
+    g.add_argument("--model", default="demo", help="a local HF checkpoint directory, or 'demo'")
+    src = g.add_mutually_exclusive_group()
+    src.add_argument("--prompt")
+    src.add_argument("--prompt-file")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.8)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", help="a stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--no-stream", action="store_true", help="print the text once at the end")
+    g.add_argument("--json", action="store_true", help="print one JSON object with text and usage")
+    g.set_defaults(func=cmd_generate)
+
+    b = sub.add_parser("bench", help="decode throughput, side by side with HF PyTorch")
+    b.add_argument("--model", default="llama-512",
+                   help=f"DIR, 'demo', or a named config: {', '.join(BENCH_CONFIGS)}")
+    b.add_argument("--batch", type=int, action="append", help="batch size (repeatable)")
+    b.add_argument("--prompt-len", type=int, default=16)
+    b.add_argument("--new-tokens", type=int, default=64)
+    b.add_argument("--repeats", type=int, default=3)
+    b.add_argument("--compare-hf", action="store_true",
+                   help="time HF PyTorch generate on the same weights in the same run")
+    b.add_argument("--hf-threads", type=int, default=None)
+    b.add_argument("--json", help="write the report as JSON")
+    b.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
