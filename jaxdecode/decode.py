@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import threading
 from typing import Any, Optional, Sequence
 
@@ -93,7 +94,8 @@ def prefill(model: DecoderModel, params: Any, tokens: Array, lengths: Array, row
     return StepState(cache=cache, logits=last.astype(jnp.float32),
                      last_token=jnp.full((b,), -1, jnp.int32), step=jnp.zeros((b,), jnp.int32),
                      counts=jnp.zeros((b, vocab), jnp.int32), seen=seen,
-                     done=jnp.zeros((b,), bool), finish=jnp.zeros((b,), jnp.int32), rows=rows)
+                     done=jnp.zeros((b,), bool), paused=jnp.zeros((b,), bool),
+                     finish=jnp.zeros((b,), jnp.int32), rows=rows)
 
 
 def finish_codes(state: StepState, logprobs: Array, token: Array) -> Array:
@@ -112,21 +114,31 @@ def finish_codes(state: StepState, logprobs: Array, token: Array) -> Array:
     code = jnp.full(token.shape, RUNNING, jnp.int32)
     for value, cond in reversed(conditions):
         code = jnp.where(cond, value, code)
-    return jnp.where(state.done, RUNNING, code)
+    return jnp.where(state.done | state.paused, RUNNING, code)
 
 
-def decode_step(model: DecoderModel, params: Any, state: StepState,
-                top_logprobs: int = 0) -> tuple[StepState, StepOutput]:
-    """Select y_t for every live row, then write it and compute z_{t+1} where the row goes on."""
+@functools.lru_cache(maxsize=None)
+def accepts_kv_len(model_type: type) -> bool:
+    """Whether a model's forward takes the optional static `kv_len` (attend to a prefix only)."""
+    return "kv_len" in inspect.signature(model_type.forward).parameters
+
+
+def decode_step(model: DecoderModel, params: Any, state: StepState, top_logprobs: int = 0,
+                kv_len: Optional[int] = None) -> tuple[StepState, StepOutput]:
+    """Select y_t for every live row, then write it and compute z_{t+1} where the row goes on.
+
+    Paused rows neither select nor write. `kv_len` (static) bounds attention to the first kv_len
+    cache positions; the caller guarantees every live row's length stays below it."""
     t = state.step + 1
     logprobs = processors.process(state.logits, state.rows, state.counts, state.seen, state.step)
     token = sampling_lib.select(logprobs, state.rows, t)
     finish = finish_codes(state, logprobs, token)
-    live = ~state.done
+    live = ~state.done & ~state.paused
     goes_on = live & (finish == RUNNING)
 
+    extra = {"kv_len": kv_len} if kv_len is not None and accepts_kv_len(type(model)) else {}
     logits, cache = model.forward(params, token[:, None], state.cache.lengths[:, None],
-                                  state.cache, lengths=goes_on.astype(jnp.int32))
+                                  state.cache, lengths=goes_on.astype(jnp.int32), **extra)
     rows_idx = jnp.arange(token.shape[0])
     raw = jax.nn.log_softmax(state.logits, axis=-1)
     if top_logprobs:
@@ -150,7 +162,7 @@ def decode_step(model: DecoderModel, params: Any, state: StepState,
     return new_state, out
 
 
-decode_step_jit = jax.jit(decode_step, static_argnums=(0, 3), donate_argnums=(2,))
+decode_step_jit = jax.jit(decode_step, static_argnums=(0, 3, 4), donate_argnums=(2,))
 
 
 # -- generate --------------------------------------------------------------------------------

@@ -78,7 +78,13 @@ class RowParams:
 
 
 def seed_key_data(seed: int) -> np.ndarray:
-    """The raw key data of `jax.random.key(seed)` under the default PRNG implementation."""
+    """The raw key data of `jax.random.key(seed)` under the default PRNG implementation.
+
+    For threefry2x32 (the default) it is computed on the host as [seed >> 32, seed & 0xffffffff]
+    -- equal to `jax.random.key(seed)` for seeds < 2**32, and distinct for every 63-bit seed
+    (with x64 disabled, jax itself would truncate larger seeds to their low 32 bits)."""
+    if jax.config.jax_default_prng_impl == "threefry2x32":
+        return np.array([(seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF], np.uint32)
     return np.asarray(jax.random.key_data(jax.random.key(seed)), np.uint32)
 
 
@@ -93,6 +99,7 @@ class StepState:
     counts:     int32[B, V] occurrences of each id in the output (frequency/presence penalties)
     seen:       bool[B, V] ids present in prompt or output (repetition penalty, HF semantics)
     done:       bool[B] the row has ended; it selects and writes nothing more
+    paused:     bool[B] the row skips steps and stays exactly as it is (back-pressure, SPEC B1)
     finish:     int32[B] device finish code (RUNNING while live)
     rows:       RowParams
     """
@@ -104,6 +111,7 @@ class StepState:
     counts: Array
     seen: Array
     done: Array
+    paused: Array
     finish: Array
     rows: RowParams
 

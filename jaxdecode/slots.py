@@ -1,0 +1,59 @@
+"""Device-side slot operations of the engine: a batch of `max_slots` rows in one StepState.
+
+A request is prefilled on its own (batch 1, its prompt bucket) and inserted into a free slot;
+ending a request marks its row done; back-pressure pauses rows. Slot indices and masks are
+arrays, so admitting a request never recompiles.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxdecode.config import SamplingParams
+from jaxdecode.decode import params_dtype
+from jaxdecode.model_api import DecoderModel
+from jaxdecode.state import RowParams, StepState
+
+
+def empty_state(model: DecoderModel, params: Any, slots: int, max_len: int,
+                eos_token_ids: Sequence[int]) -> StepState:
+    """Every row done: a step over it selects and writes nothing."""
+    rows = RowParams.build([SamplingParams()] * slots, model.config.vocab_size, eos_token_ids,
+                           keys=np.zeros((slots, 2), np.uint32))
+    return _empty_state(model, params_dtype(params), max_len, rows)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _empty_state(model: DecoderModel, dtype: Any, max_len: int, rows: RowParams) -> StepState:
+    slots, vocab = rows.bias.shape
+    return StepState(cache=model.init_cache(slots, max_len, dtype),
+                     logits=jnp.zeros((slots, vocab), jnp.float32),
+                     last_token=jnp.full((slots,), -1, jnp.int32),
+                     step=jnp.zeros((slots,), jnp.int32),
+                     counts=jnp.zeros((slots, vocab), jnp.int32),
+                     seen=jnp.zeros((slots, vocab), bool), done=jnp.ones((slots,), bool),
+                     paused=jnp.zeros((slots,), bool), finish=jnp.zeros((slots,), jnp.int32),
+                     rows=rows)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def insert(state: StepState, row: StepState, slot: jax.Array) -> StepState:
+    """Copy a batch-1 state into row `slot` (the cache's batch axis is 1, every other 0)."""
+    put = lambda axis: (lambda big, small: jax.lax.dynamic_update_slice_in_dim(  # noqa: E731
+        big, small.astype(big.dtype), slot, axis))
+    cache = state.cache.replace(k=put(1)(state.cache.k, row.cache.k),
+                                v=put(1)(state.cache.v, row.cache.v),
+                                lengths=put(0)(state.cache.lengths, row.cache.lengths))
+    rest = jax.tree.map(put(0), state.replace(cache=None), row.replace(cache=None))
+    return rest.replace(cache=cache)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def set_flags(state: StepState, release: jax.Array, paused: jax.Array) -> StepState:
+    """Mark released rows done and set the paused mask (bool[slots] each)."""
+    return state.replace(done=state.done | release, paused=paused)
