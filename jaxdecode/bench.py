@@ -162,3 +162,94 @@ def format_table(report: dict) -> str:
         lines.append(f"batch-1 step time vs roofline: {report['roofline_fraction_batch1'] * 100:.0f}% "
                      f"of the bandwidth limit")
     return "\n".join(lines)
+
+
+# -- host pipeline cost (issue #3) --------------------------------------------------------------
+
+def _stop_strings(n: int) -> list[str]:
+    """n stop strings that never occur in source text: the matcher scans the whole stream."""
+    return [f"<<STOP{i}>>\u2063" for i in range(n)]
+
+
+def host_cost(tokenizer, token_ids: Sequence[int], stops_counts: Sequence[int] = (1, 4, 16),
+              repeats: int = 5) -> list[dict]:
+    """Median µs per token of detokenize + stop match + stream emit, side by side with HF
+    `tokenizers.decoders.DecodeStream` plus a fixed `max_len - 1` hold-back check."""
+    from tokenizers.decoders import DecodeStream
+
+    from jaxdecode.host import OrderedStream, TextPipeline
+
+    backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
+    rows = []
+    for n in stops_counts:
+        stops = _stop_strings(n)
+
+        def ours():
+            pipe = TextPipeline(tokenizer, stop=stops)
+            stream = OrderedStream("bench", max_buffered=len(token_ids) + 8)
+            stream.start()
+            for tid in token_ids:
+                text = pipe.push(tid).text
+                if text:
+                    stream.emit(text)
+            stream.emit(pipe.finish("max_output_tokens").text)
+
+        hold = max(len(s) for s in stops) - 1
+
+        def reference():
+            ds = DecodeStream(skip_special_tokens=True)
+            buffer, sent = "", []
+            for tid in token_ids:
+                piece = ds.step(backend, tid)
+                if piece:
+                    buffer += piece
+                    if any(s in buffer for s in stops):
+                        break
+                    if len(buffer) > hold:
+                        sent.append(buffer[:-hold])
+                        buffer = buffer[-hold:]
+            sent.append(buffer)
+
+        per_token = lambda fn: statistics.median(  # noqa: E731
+            _median_time(fn, 1) for _ in range(repeats)) / len(token_ids) * 1e6
+        ours_us, ref_us = per_token(ours), per_token(reference)
+        rows.append({"stops": n, "jaxdecode_us_per_token": ours_us,
+                     "hf_decodestream_us_per_token": ref_us, "ratio": ref_us / ours_us})
+    return rows
+
+
+# -- engine with streaming vs the raw jitted loop (issue #3) ------------------------------------
+
+def engine_vs_raw(model, params, tokenizer, batch: int, new_tokens: int, prompt_len: int = 16,
+                  repeats: int = 3, seed: int = 0) -> dict:
+    """Tokens/s of `LLM` with every request streamed (deltas read by a consumer thread each)
+    against `generate` on the same model, batch and greedy settings."""
+    import threading
+
+    from jaxdecode.engine import LLM
+
+    ids = prompts(batch, prompt_len, model.config.vocab_size, seed)
+    sp = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True,
+                        utf8_errors="replace")
+    raw = lambda: generate(model, params, ids, sp).token_ids  # noqa: E731
+    raw()
+    raw_s = _median_time(raw, repeats)
+    max_len = min(model.config.max_len, 1 << (prompt_len + new_tokens).bit_length())
+    with LLM(model, params, tokenizer, max_slots=batch, max_len=max_len) as llm:
+        llm.warmup(prompt_len)
+
+        def streamed():
+            handles = [llm.submit(p, sp) for p in ids]
+            readers = [threading.Thread(target=lambda h=h: sum(1 for _ in h.events()))
+                       for h in handles]
+            for t in readers:
+                t.start()
+            for t in readers:
+                t.join()
+            assert all(h.result().usage.selected_tokens == new_tokens for h in handles)
+
+        streamed()
+        engine_s = _median_time(streamed, repeats)
+    tokens = batch * new_tokens
+    return {"batch": batch, "raw_tokens_per_s": tokens / raw_s,
+            "engine_tokens_per_s": tokens / engine_s, "fraction": raw_s / engine_s}

@@ -1,7 +1,8 @@
 """`LLM`: continuous batching over fixed slots, with streaming, cancellation and deadlines.
 
-JetStream-style: a request is prefilled alone into its prompt bucket and inserted into a free
-slot; one jitted decode step runs over all slots (finished and empty rows are masked). One
+JetStream-style: requests admitted together are prefilled as one batch into their prompt
+bucket and inserted into free slots; one jitted decode step runs over all slots (finished and
+empty rows are masked). One
 engine thread owns the device state and runs the host loop:
 
     admit queued requests into free slots -> apply releases and pauses -> dispatch step t+1
@@ -182,6 +183,7 @@ class LLM:
         self._queue: collections.deque[RequestHandle] = collections.deque()
         self._slots: list[Optional[RequestHandle]] = [None] * max_slots
         self._release = np.zeros(max_slots, bool)
+        self._paused = np.zeros(max_slots, bool)
         self._state = None
         self._ids = itertools.count()
         self._closed = False
@@ -190,15 +192,20 @@ class LLM:
     # -- public API ------------------------------------------------------------------------------
 
     def submit(self, prompt: Prompt, params: Optional[SamplingParams] = None, *,
-               request_id: Optional[str] = None, block: bool = False,
-               _prompt_index: int = 0, _index: int = 0,
-               _output_kind: Optional[str] = None) -> RequestHandle:
+               request_id: Optional[str] = None, block: bool = False) -> RequestHandle:
         """Queue one request (n must be 1; `generate` expands n). Raises ValueError naming the
         bad field, `QueueFull` when the admission queue is full (unless `block`)."""
+        handle = self._make_handle(prompt, params, request_id)
+        self._enqueue([handle], block)
+        return handle
+
+    def _make_handle(self, prompt: Prompt, params: Optional[SamplingParams],
+                     request_id: Optional[str] = None, prompt_index: int = 0, index: int = 0,
+                     output_kind: Optional[str] = None) -> RequestHandle:
         sp = params if params is not None else SamplingParams()
         if not isinstance(sp, SamplingParams):
             raise ValueError(f"params: expected SamplingParams, got {type(sp).__name__}")
-        if sp.n != 1 and _output_kind is None:
+        if sp.n != 1 and output_kind is None:
             raise ValueError("n: submit() and stream() take one sample; use generate() for n > 1")
         if sp.response_format is not None:
             raise ValueError("response_format: structured output is not supported by the engine yet")
@@ -206,23 +213,31 @@ class LLM:
         sp.check_vocab(self.model.config.vocab_size)
         seed = sp.seed if sp.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
         key = seed_key_data(seed) if sp.n == 1 else np.asarray(
-            jax.random.key_data(jax.random.fold_in(jax.random.key(seed), _index)), np.uint32)
+            jax.random.key_data(jax.random.fold_in(jax.random.key(seed), index)), np.uint32)
         rid = request_id or f"req-{next(self._ids)}"
-        handle = RequestHandle(self, rid, prompt_ids, sp, seed, key, _prompt_index, _index,
-                               _output_kind or sp.output_kind)
+        return RequestHandle(self, rid, prompt_ids, sp, seed, key, prompt_index, index,
+                             output_kind or sp.output_kind)
+
+    def _enqueue(self, handles: list, block: bool) -> None:
+        """Queue handles together (the engine admits them in one prefill when slots allow)."""
         with self._cond:
-            if self._closed:
-                raise EngineClosed("the engine is closed")
-            while len(self._queue) >= self.max_queue:
-                if not block:
-                    raise QueueFull(f"admission queue is full ({self.max_queue} requests)")
-                self._cond.wait(0.05)
-            handle.lifecycle.transition(RequestState.QUEUED)
-            handle.lifecycle.emit_start(self.model_snapshot)
-            self._queue.append(handle)
-            self._ensure_thread()
-            self._cond.notify_all()
-        return handle
+            pending = list(handles)
+            while pending:
+                if self._closed:
+                    raise EngineClosed("the engine is closed")
+                room = self.max_queue - len(self._queue)
+                if room <= 0:
+                    if not block:
+                        raise QueueFull(f"admission queue is full ({self.max_queue} requests)")
+                    self._cond.wait(0.05)
+                    continue
+                for handle in pending[:room]:
+                    handle.lifecycle.transition(RequestState.QUEUED)
+                    handle.lifecycle.emit_start(self.model_snapshot)
+                    self._queue.append(handle)
+                pending = pending[room:]
+                self._ensure_thread()
+                self._cond.notify_all()
 
     def stream(self, prompt: Prompt, params: Optional[SamplingParams] = None,
                timeout: Optional[float] = None) -> Iterator:
@@ -249,11 +264,9 @@ class LLM:
             per_prompt = list(params)
         else:
             per_prompt = [params if params is not None else SamplingParams()] * len(prompts)
-        for p in prompts:  # validate everything before queueing anything
-            self._encode(p)
-        handles = [self.submit(p, sp, block=True, _prompt_index=i, _index=j,
-                               _output_kind="final_only")
+        handles = [self._make_handle(p, sp, prompt_index=i, index=j, output_kind="final_only")
                    for i, (p, sp) in enumerate(zip(prompts, per_prompt)) for j in range(sp.n)]
+        self._enqueue(handles, block=True)  # validated all before queueing any
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
@@ -267,6 +280,37 @@ class LLM:
         if bar is not None:
             bar.close()
         return results
+
+    def warmup(self, max_prompt_len: int = 64) -> int:
+        """Compile every shape the engine can meet for prompts up to `max_prompt_len`: prefill
+        for each admission batch (powers of two up to max_slots) and prompt bucket, the slot
+        scatter, and the decode step for each attention bucket. Returns the compilations."""
+        before = decode.compilation_count()
+        state = slots.empty_state(self.model, self.params, self.max_slots, self.max_len,
+                                  self.eos_token_ids)
+        t_buckets = sorted({decode.bucket(n, self.max_len) for n in
+                            range(1, min(max_prompt_len, self.max_len - 1) + 1)})
+        n = 1
+        while True:
+            rows = RowParams.build([SamplingParams()] * n, self.model.config.vocab_size,
+                                   self.eos_token_ids, keys=np.zeros((n, 2), np.uint32))
+            for t in t_buckets:
+                row = decode.prefill(self.model, self.params, np.zeros((n, t), np.int32),
+                                     np.ones((n,), np.int32), rows, self.max_len)
+                state = slots.insert(state, row, np.full((n,), self.max_slots, np.int32))
+            if n >= self.max_slots:
+                break
+            n = min(2 * n, 1 << (self.max_slots - 1).bit_length())
+        flags = np.zeros((self.max_slots,), bool)
+        state = slots.set_flags(state, flags, flags)
+        kv = min(KV_BUCKET_MIN, self.max_len)
+        while True:
+            state, _ = decode.decode_step_jit(self.model, self.params, state, 0, kv)
+            if kv >= self.max_len:
+                break
+            kv = min(2 * kv, self.max_len)
+        jax.block_until_ready(state)
+        return decode.compilation_count() - before
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the engine thread; requests still queued or running end CANCELLED."""
@@ -366,43 +410,50 @@ class LLM:
             self._cond.notify_all()
 
     def _admit(self) -> None:
-        for slot in range(self.max_slots):
-            if self._slots[slot] is not None:
-                continue
-            with self._cond:
-                if not self._queue:
-                    return
-                r = self._queue.popleft()
-                self._cond.notify_all()
-            self._prefill_into(r, slot)
+        free = [slot for slot, r in enumerate(self._slots) if r is None]
+        with self._cond:
+            batch = [self._queue.popleft() for _ in range(min(len(free), len(self._queue)))]
+            self._cond.notify_all()
+        if batch:
+            self._prefill_into(batch, free[:len(batch)])
 
-    def _prefill_into(self, r: RequestHandle, slot: int) -> None:
+    def _prefill_into(self, batch: list, free: list) -> None:
+        """Prefill the admitted requests as one padded batch and scatter them into slots."""
         if self._state is None:
             self._state = slots.empty_state(self.model, self.params, self.max_slots,
                                             self.max_len, self.eos_token_ids)
-        r.lifecycle.transition(RequestState.PREFILLING)
-        t = decode.bucket(len(r.prompt_ids), self.max_len)
-        tokens = np.zeros((1, t), np.int32)
-        tokens[0, :len(r.prompt_ids)] = r.prompt_ids
-        sp = dataclasses.replace(r.sampling, max_tokens=min(r.sampling.max_tokens,
-                                                            self.max_len - len(r.prompt_ids)))
-        rows = RowParams.build([sp], self.model.config.vocab_size, self.eos_token_ids,
-                               keys=r.key_data[None])
-        row = decode.prefill(self.model, self.params, tokens,
-                             np.array([len(r.prompt_ids)], np.int32), rows, self.max_len)
-        self._state = slots.insert(self._state, row, np.int32(slot))
-        self._release[slot] = False
-        r.slot, r.dispatched = slot, 0
-        self._slots[slot] = r
-        r.lifecycle.transition(RequestState.DECODING)
+        for r in batch:
+            r.lifecycle.transition(RequestState.PREFILLING)
+        n = 1 << (len(batch) - 1).bit_length()
+        t = decode.bucket(max(len(r.prompt_ids) for r in batch), self.max_len)
+        tokens = np.zeros((n, t), np.int32)
+        lengths = np.ones((n,), np.int32)
+        targets = np.full((n,), self.max_slots, np.int32)  # padding rows are dropped
+        sampling, keys = [SamplingParams()] * n, np.zeros((n, 2), np.uint32)
+        for i, (r, slot) in enumerate(zip(batch, free)):
+            tokens[i, :len(r.prompt_ids)] = r.prompt_ids
+            lengths[i], targets[i], keys[i] = len(r.prompt_ids), slot, r.key_data
+            sampling[i] = dataclasses.replace(
+                r.sampling, max_tokens=min(r.sampling.max_tokens, self.max_len - lengths[i]))
+        rows = RowParams.build(sampling, self.model.config.vocab_size, self.eos_token_ids,
+                               keys=keys)
+        prefilled = decode.prefill(self.model, self.params, tokens, lengths, rows, self.max_len)
+        self._state = slots.insert(self._state, prefilled, targets)
+        for r, slot in zip(batch, free):
+            self._release[slot] = False
+            r.slot, r.dispatched = slot, 0
+            self._slots[slot] = r
+            r.lifecycle.transition(RequestState.DECODING)
 
     def _dispatch(self) -> Optional[_Dispatched]:
         owners = list(self._slots)
         paused = np.array([r is not None and r.lifecycle.stream.should_pause for r in owners])
         live = [r for r, p in zip(owners, paused) if r is not None and not p]
-        self._state = slots.set_flags(self._state, self._release.copy(), paused) \
-            if self._state is not None else None
+        if self._state is not None and (self._release.any() or paused.any()
+                                        or self._paused.any()):
+            self._state = slots.set_flags(self._state, self._release.copy(), paused)
         self._release[:] = False
+        self._paused = paused
         if not live:
             return None
         longest = max(len(r.prompt_ids) + r.dispatched + 1 for r in live)
@@ -512,6 +563,7 @@ class LLM:
         self._state = None
         self._slots = [None] * self.max_slots
         self._release[:] = False
+        self._paused[:] = False
 
     def _shutdown(self) -> None:
         with self._cond:

@@ -1,6 +1,7 @@
 """Device-side slot operations of the engine: a batch of `max_slots` rows in one StepState.
 
-A request is prefilled on its own (batch 1, its prompt bucket) and inserted into a free slot;
+Requests admitted together are prefilled as one batch (padded to a power of two, their longest
+prompt's bucket) and scattered into free slots;
 ending a request marks its row done; back-pressure pauses rows. Slot indices and masks are
 arrays, so admitting a request never recompiles.
 """
@@ -42,14 +43,19 @@ def _empty_state(model: DecoderModel, dtype: Any, max_len: int, rows: RowParams)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
-def insert(state: StepState, row: StepState, slot: jax.Array) -> StepState:
-    """Copy a batch-1 state into row `slot` (the cache's batch axis is 1, every other 0)."""
-    put = lambda axis: (lambda big, small: jax.lax.dynamic_update_slice_in_dim(  # noqa: E731
-        big, small.astype(big.dtype), slot, axis))
-    cache = state.cache.replace(k=put(1)(state.cache.k, row.cache.k),
-                                v=put(1)(state.cache.v, row.cache.v),
-                                lengths=put(0)(state.cache.lengths, row.cache.lengths))
-    rest = jax.tree.map(put(0), state.replace(cache=None), row.replace(cache=None))
+def insert(state: StepState, rows: StepState, slots: jax.Array) -> StepState:
+    """Scatter the rows of a freshly prefilled state into `slots` (int32[n]; an index past the
+    last slot drops that row, which pads a prefill batch). The cache's batch axis is 1."""
+    def put(axis):
+        def scatter(big, small):
+            index = (slice(None),) * axis + (slots,)
+            return big.at[index].set(small.astype(big.dtype), mode="drop")
+        return scatter
+
+    cache = state.cache.replace(k=put(1)(state.cache.k, rows.cache.k),
+                                v=put(1)(state.cache.v, rows.cache.v),
+                                lengths=put(0)(state.cache.lengths, rows.cache.lengths))
+    rest = jax.tree.map(put(0), state.replace(cache=None), rows.replace(cache=None))
     return rest.replace(cache=cache)
 
 

@@ -252,3 +252,22 @@ def test_engine_queue_full_and_close(tok):
     with pytest.raises(jd.EngineClosed):
         llm.submit([7])
     assert not llm._thread.is_alive() and llm._thread.daemon
+
+
+def test_engine_no_recompile_after_warmup_across_mixed_requests(tok):
+    rng = random.Random(1)
+    with engine([0] + [byte_id(tok, "w")] * 80, tok, max_slots=4, max_len=128,
+                model_max_len=128) as llm:
+        assert llm.warmup(max_prompt_len=40) > 0
+        before = jd.compilation_count()
+        handles = []
+        for i in range(40):
+            prompt = [rng.randrange(1, V) for _ in range(rng.randint(1, 40))]
+            sp = jd.SamplingParams(max_tokens=rng.randint(1, 60), seed=i,
+                                   temperature=rng.choice([0.0, 0.8]),
+                                   top_k=rng.choice([0, 5]), stop=rng.choice([(), ("ww",)]))
+            handles.append(llm.submit(prompt, sp))
+            if rng.random() < 0.3:
+                time.sleep(0.005)
+        assert all(h.result(timeout=60).finish_reason is not None for h in handles)
+        assert jd.compilation_count() == before
