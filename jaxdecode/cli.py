@@ -138,22 +138,47 @@ def _bench_model(spec: str, compare_hf: bool, workdir: str):
 
 
 def cmd_bench(args) -> int:
+    import sysconfig
     import tempfile
 
     from jaxdecode import bench
 
     cfg = bench.BenchConfig(batches=tuple(args.batch or (1, 16)), prompt_len=args.prompt_len,
                             new_tokens=args.new_tokens, repeats=args.repeats)
+    progress = lambda row: print(json.dumps(row), file=sys.stderr)  # noqa: E731
     with tempfile.TemporaryDirectory() as workdir:
         model, params, hf = _bench_model(args.model, args.compare_hf, workdir)
         report = bench.run(model, params, cfg, hf_model=hf, hf_threads=args.hf_threads,
-                           progress=lambda row: print(json.dumps(row), file=sys.stderr))
+                           progress=progress)
     report["model_spec"] = args.model
-    print(bench.format_table(report))
+    text = [bench.format_table(report)]
+    if args.host_cost or args.engine:
+        # the host pipeline needs a real tokenizer: the demo model's (or the checkpoint's)
+        spec = args.model if os.path.isdir(args.model) else "demo"
+        model, params, tokenizer = load_model(spec)
+        if args.host_cost:
+            with open(os.path.join(sysconfig.get_paths()["stdlib"], "json", "decoder.py"),
+                      encoding="utf-8") as f:
+                ids = tokenizer.encode(f.read()).ids[:2000] if hasattr(
+                    tokenizer, "encode_batch") else tokenizer(f.read())["input_ids"][:2000]
+            report["host_cost"] = bench.host_cost(tokenizer, ids)
+            text.append("host cost per token (detokenize + stop match + stream), "
+                        f"{len(ids)} tokens of json/decoder.py:")
+            text += [f"  {r['stops']:>2} stop strings: jaxdecode {r['jaxdecode_us_per_token']:.2f} us"
+                     f" | HF DecodeStream + fixed hold-back {r['hf_decodestream_us_per_token']:.2f} us"
+                     for r in report["host_cost"]]
+        if args.engine:
+            report["engine"] = [bench.engine_vs_raw(model, params, tokenizer, b, cfg.new_tokens,
+                                                    repeats=max(cfg.repeats, 5))
+                                for b in cfg.batches]
+            text += [f"engine with streaming vs raw loop ({spec}, batch {r['batch']}): "
+                     f"{r['engine_tokens_per_s']:.0f} vs {r['raw_tokens_per_s']:.0f} tok/s = "
+                     f"{r['fraction'] * 100:.0f}%" for r in report["engine"]]
+    print("\n".join(text))
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
+            json.dump(report, f, indent=2, default=str)
     return 0
 
 
@@ -189,6 +214,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--compare-hf", action="store_true",
                    help="time HF PyTorch generate on the same weights in the same run")
     b.add_argument("--hf-threads", type=int, default=None)
+    b.add_argument("--host-cost", action="store_true",
+                   help="also time the host pipeline per token against HF DecodeStream")
+    b.add_argument("--engine", action="store_true",
+                   help="also time the engine with streaming against the raw jitted loop")
     b.add_argument("--json", help="write the report as JSON")
     b.set_defaults(func=cmd_bench)
     return parser

@@ -449,6 +449,9 @@ class LLM:
         owners = list(self._slots)
         paused = np.array([r is not None and r.lifecycle.stream.should_pause for r in owners])
         live = [r for r, p in zip(owners, paused) if r is not None and not p]
+        for r, now, before in zip(owners, paused, self._paused):
+            if r is not None and now != before:  # SPEC B1: the row stays exactly as it is
+                r.lifecycle.record("backpressure.paused" if now else "backpressure.resumed")
         if self._state is not None and (self._release.any() or paused.any()
                                         or self._paused.any()):
             self._state = slots.set_flags(self._state, self._release.copy(), paused)

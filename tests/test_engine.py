@@ -271,3 +271,32 @@ def test_engine_no_recompile_after_warmup_across_mixed_requests(tok):
                 time.sleep(0.005)
         assert all(h.result(timeout=60).finish_reason is not None for h in handles)
         assert jd.compilation_count() == before
+
+
+def test_backpressure_B1_paused_request_resumes_at_the_same_token(tok):
+    script = [0] + [byte_id(tok, c) for c in "the quick brown fox jumps over the lazy dog"]
+    sp = jd.SamplingParams(temperature=0.9, seed=5, max_tokens=40)  # sampled: RNG cursor matters
+    with engine(script, tok, max_len=64) as llm:
+        reference = llm.submit([7, 8], sp).result(timeout=30)
+    with engine(script, tok, max_len=64, max_buffered=2, backpressure="pause") as llm:
+        h = llm.submit([7, 8], sp)
+        events = []
+        for event in h.events(timeout=30):
+            events.append(event)
+            time.sleep(0.02)  # a slow reader
+        c = h.result(timeout=30)
+    assert any(e.kind == "backpressure.paused" for e in c.events)
+    assert c.token_ids == reference.token_ids and c.text == reference.text
+    assert "".join(e.data["text"] for e in events if e.kind == "delta") == c.text
+    assert c.finish_reason == jd.FinishReason.MAX_OUTPUT_TOKENS
+
+
+def test_stream_T4_resume_after_seq_from_the_engine(tok):
+    with engine([0] + [101, 102] * 20, tok) as llm:
+        h = llm.submit([7, 8], greedy(20))
+        c = h.result(timeout=30)
+        later = h.lifecycle.stream.events_after(3)
+    assert [e.seq for e in later] == list(range(4, later[-1].seq + 1))
+    assert later[-1].kind == "completed"
+    full = [e for e in c.events if e.seq is not None]
+    assert [(e.seq, e.kind) for e in full if e.seq > 3] == [(e.seq, e.kind) for e in later]
