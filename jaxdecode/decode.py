@@ -174,7 +174,21 @@ def decode_step(model: DecoderModel, params: Any, state: StepState,
     return new_state, out
 
 
-decode_step_jit = jax.jit(decode_step, static_argnums=(0, 3), donate_argnums=(2,))
+def _step_shared_grammar(model, params, state, top_logprobs, grammar):
+    new_state, out = decode_step(model, params, state.replace(grammar=grammar), top_logprobs)
+    return new_state.replace(grammar=None), out
+
+
+_step_jit = jax.jit(_step_shared_grammar, static_argnums=(0, 3), donate_argnums=(2,))
+
+
+def decode_step_jit(model: DecoderModel, params: Any, state: StepState,
+                    top_logprobs: int = 0) -> tuple[StepState, StepOutput]:
+    """`decode_step`, jitted, with the state donated -- except the constraint tables
+    (`state.grammar`), which are shared read-only data like `params` and pass through untouched."""
+    grammar = state.grammar
+    new_state, out = _step_jit(model, params, state.replace(grammar=None), top_logprobs, grammar)
+    return new_state.replace(grammar=grammar), out
 
 
 # -- generate --------------------------------------------------------------------------------
