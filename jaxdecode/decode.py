@@ -201,7 +201,9 @@ class GenerateOutput:
     ended it (as HF `generate` does), padded with -1 after the row's end; lengths int32[B];
     finish_reasons: one FinishReason per row; errors: None per row, or the ErrorCode of a row that
     failed (`model_error` for NaN logits, `all_tokens_masked` -- SPEC P2 -- when every token was
-    masked; its finish reason is then `model_error`); logprobs f32[B, N]: the raw model log-probability of each selected token
+    masked, `grammar_dead_end` when that happens on a constrained row; its finish reason is then
+    `model_error`; a constrained row whose grammar accepts and allows nothing more ends with
+    `grammar_complete`); logprobs f32[B, N]: the raw model log-probability of each selected token
     (before processors, as OpenAI and vLLM report), when asked; top_logprobs: (ids, logprobs)
     int32/f32[B, N, K] when some row asked for K > 0.
     """

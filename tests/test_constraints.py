@@ -118,6 +118,23 @@ def test_grammar_complete_ends_row_and_last_token_not_written():
     assert outs[2][0] == -1
 
 
+def test_grammar_S9_completion_on_last_allowed_token_reports_grammar_complete():
+    outs = _scripted_run([0, 2, 3, 3, 3, 3, 3, 3], {"type": "regex", "pattern": "ab"},
+                         max_tokens=2)
+    assert [o[:2] for o in outs[:2]] == [(2, decode.RUNNING), (3, decode.GRAMMAR_COMPLETE)]
+
+
+def test_grammar_one_body_two_drivers_same_tokens():
+    model = ScriptedModel.make([0, 2, 3, 5, 6, 7, 8, 2], vocab_size=16, eos_token_ids=(1,))
+    rows = [jd.SamplingParams(seed=s, max_tokens=8,
+                              response_format={"type": "regex", "pattern": "(a|b|x)+[12]"})
+            for s in (1, 2)] + [jd.SamplingParams(seed=3, max_tokens=5)]
+    a = jd.generate(model, {}, [[3, 3]] * 3, rows, tokenizer=TINY_BYTES)
+    b = jd.generate(model, {}, [[3, 3]] * 3, rows, tokenizer=TINY_BYTES, trace=False)
+    np.testing.assert_array_equal(a.token_ids, b.token_ids)
+    assert a.finish_reasons == b.finish_reasons
+
+
 def test_grammar_eos_allowed_exactly_in_accepting_states():
     # the model wants EOS at once; "ab?" does not accept the empty output, so "a" is forced;
     # after "a" the state accepts (and "b" could follow): EOS is allowed and ends the row.
@@ -150,6 +167,22 @@ def test_grammar_no_recompile_for_new_constraints_in_seen_buckets():
         text = b"".join(TINY_BYTES[t] for t in out.tokens(0) if TINY_BYTES[t]).decode()
         assert re.fullmatch(pattern, text), (pattern, text)
     assert jd.compilation_count() == before
+
+
+def test_grammar_json_object_regex_accepts_nested_objects():
+    regex = constraints.regex_for({"type": "json_object"})
+    assert re.fullmatch(regex, '{"a": [1, {"b": null}], "c": "d"}')
+    assert not re.fullmatch(regex, '[1, 2]')
+
+
+def test_grammar_vocab_of_a_metaspace_transformers_tokenizer(hf_tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(hf_tokenizer_dir)
+    vocab = constraints.vocab_for(tok, 128, exclude_ids=(2,))
+    the = tok.convert_tokens_to_ids("\u2581the")
+    assert vocab.token_bytes[the] == b" the"
+    assert all(vocab.token_bytes[i] is None for i in range(4))  # <pad> <s> </s> <unk>
 
 
 # -- tables vs outlines-core's Index ----------------------------------------------------------
