@@ -229,6 +229,20 @@ def test_grammar_tables_agree_with_outlines_index(demo_tokenizer, dense):
             assert [c.next_state(int(s), t) + off for t in toks] == nxt[:len(toks)].tolist()
 
 
+def test_grammar_state_path_for_speculative_rollback():
+    vocab = constraints.vocab_for(TINY_BYTES, 16)
+    c = constraints.compile_format({"type": "regex", "pattern": "(ab|x)1"}, vocab)
+    bundle = constraints.build_tables([c], 16)
+    tokens = jnp.asarray([[2, 3, 7], [5, 7, 7], [5, 5, 7]], jnp.int32)  # a b 1 | x 1 1 | x x 1
+    start = jnp.asarray([0, 0, 0], jnp.int32) + bundle.offsets[c.key]
+    path = np.asarray(constraints.state_path(bundle.tables, start, tokens))
+    want = [[0, c.next_state(0, 2), c.next_state(c.next_state(0, 2), 3)],
+            [0, c.next_state(0, 5), c.next_state(c.next_state(0, 5), 7)]]
+    assert path[0, :3].tolist() == want[0] and path[1, :3].tolist() == want[1]
+    assert bool(c.accepting[path[0, 3]]) and path[1, 3] == constraints.DEAD
+    assert path[2, 2] == constraints.DEAD and path[2, 3] == constraints.DEAD
+
+
 def test_grammar_index_cache_is_lru_and_records_compile_time(demo_tokenizer):
     vocab = constraints.vocab_for(demo_tokenizer, 4096, exclude_ids=(0,))
     cache = constraints.IndexCache(max_entries=2)

@@ -35,7 +35,7 @@ int32 per row and must move with the KV cache.
     gathered with the same parent indices that reorder the cache.
   * Speculative decoding: the draft proposes under the mask with its own copy of the state;
     the verifier masks position i with the state after draft tokens 1..i
-    (`next_state` applied along the draft), and on rejection at i the row's state is rolled back
+    (`state_path` over the draft), and on rejection at i the row's state is rolled back
     to the state after the accepted prefix and then advanced by the resampled token -- exactly
     as `cache.lengths` is rolled back. Rollback is setting the int32, never copying tables.
 """
@@ -44,13 +44,14 @@ from jaxdecode.constraints.compile import (CACHE, CompiledIndex, IndexCache, cac
                                            compile_format, compile_regex)
 from jaxdecode.constraints.formats import regex_for, validate_response_format
 from jaxdecode.constraints.tables import (DEAD, GrammarTables, TableBundle, build_tables,
-                                          completes, mask_logits, next_state, rebase_states)
+                                          completes, mask_logits, next_state, rebase_states,
+                                          state_path)
 from jaxdecode.constraints.vocab import TokenVocab, vocab_for
 from jaxdecode.constraints.batch import prepare_rows
 
 __all__ = [
     "CACHE", "CompiledIndex", "DEAD", "GrammarTables", "IndexCache", "TableBundle", "TokenVocab",
     "build_tables", "cache_info", "compile_format", "compile_regex", "completes", "mask_logits",
-    "next_state", "prepare_rows", "rebase_states", "regex_for", "validate_response_format",
+    "next_state", "prepare_rows", "rebase_states", "regex_for", "state_path", "validate_response_format",
     "vocab_for",
 ]

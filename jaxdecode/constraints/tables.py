@@ -229,3 +229,17 @@ def completes(tables: GrammarTables, state: Array) -> Array:
     """bool[B]: the state accepts and nothing can follow (the row ends: grammar_complete)."""
     s = jnp.maximum(state, 0)
     return (state >= 0) & tables.accepting[s] & ~tables.has_next[s]
+
+
+def state_path(tables: GrammarTables, state: Array, tokens: Array) -> Array:
+    """int32[B, k+1]: the grammar states before and after each of k proposed tokens
+    (tokens int32[B, k]), for speculative verification: position i is masked with path[:, i],
+    and a rejection at i rolls the row back to path[:, i]. DEAD after a disallowed token."""
+
+    def body(s, t):
+        n = jnp.where(s < 0, s, jnp.where(lookup(tables, s, t) < 0, DEAD, lookup(tables, s, t)))
+        n = jnp.where(state < 0, -1, n).astype(jnp.int32)
+        return n, n
+
+    _, rest = jax.lax.scan(body, state, tokens.T)
+    return jnp.concatenate([state[:, None], rest.T], axis=1)
