@@ -7,7 +7,7 @@ never recompiles.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +21,9 @@ Array = jax.Array
 
 # Device finish codes (0 = still running). Mapped to FinishReason / ErrorCode on the host.
 RUNNING, EOS, STOP_TOKEN, MAX_TOKENS, CONTEXT_LIMIT, ALL_MASKED, MODEL_ERROR = range(7)
+# constraints (jaxdecode/constraints): the grammar accepted and allows nothing more; every token
+# masked on a constrained row (SPEC P2, ErrorCode.GRAMMAR_DEAD_END)
+GRAMMAR_COMPLETE, GRAMMAR_DEAD_END = 7, 8
 
 
 @struct.dataclass
@@ -102,6 +105,11 @@ class StepState:
     paused:     bool[B] the row skips steps and stays exactly as it is (back-pressure, SPEC B1)
     finish:     int32[B] device finish code (RUNNING while live)
     rows:       RowParams
+    grammar_state: int32[B] automaton state of each row (-1 = unconstrained), or None when no
+                row of the batch is constrained. Per row, it moves with the cache: beams gather
+                it, speculative decoding rolls it back with `cache.lengths`.
+    grammar:    constraints.GrammarTables shared by all rows (not per row: vmap in_axes=None),
+                or None. See jaxdecode/constraints/__init__.py.
     """
 
     cache: KVCache
@@ -114,6 +122,9 @@ class StepState:
     paused: Array
     finish: Array
     rows: RowParams
+    # -- constraints (jaxdecode/constraints); None = no constrained row, the step is unchanged --
+    grammar_state: Optional[Array] = None
+    grammar: Optional[Any] = None
 
 
 @struct.dataclass
