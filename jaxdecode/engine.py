@@ -38,12 +38,13 @@ from typing import Any, Iterator, Optional, Sequence, Union
 import jax
 import numpy as np
 
-from jaxdecode import decode, slots
+import jax.numpy as jnp
+
+from jaxdecode import constraints, decode, slots
 from jaxdecode.config import SamplingParams
 from jaxdecode.host import Lifecycle, OrderedStream, TextPipeline
 from jaxdecode.model_api import DecoderModel
-from jaxdecode.state import (ALL_MASKED, CONTEXT_LIMIT, EOS, MAX_TOKENS, MODEL_ERROR, RUNNING,
-                             STOP_TOKEN, RowParams, seed_key_data)
+from jaxdecode.state import EOS, RUNNING, STOP_TOKEN, RowParams, seed_key_data
 from jaxdecode.tokenization import encode, eos_token_id
 from jaxdecode.types import (Completion, DecodingError, ErrorCode, FinishReason, RequestState,
                              Usage)
@@ -70,8 +71,9 @@ class RequestHandle:
 
     def __init__(self, engine: "LLM", request_id: str, prompt_ids: list, sampling: SamplingParams,
                  seed: int, key_data: np.ndarray, prompt_index: int, index: int,
-                 output_kind: str):
+                 output_kind: str, grammar: Optional[Any] = None):
         self.request_id = request_id
+        self.grammar = grammar  # constraints.CompiledIndex of its response_format, or None
         self.prompt_ids = prompt_ids
         self.sampling = sampling
         self.seed = seed
@@ -185,6 +187,7 @@ class LLM:
         self._release = np.zeros(max_slots, bool)
         self._paused = np.zeros(max_slots, bool)
         self._state = None
+        self._bundle: Optional[constraints.TableBundle] = None  # grammar tables of live slots
         self._ids = itertools.count()
         self._closed = False
         self._thread: Optional[threading.Thread] = None
@@ -207,16 +210,19 @@ class LLM:
             raise ValueError(f"params: expected SamplingParams, got {type(sp).__name__}")
         if sp.n != 1 and output_kind is None:
             raise ValueError("n: submit() and stream() take one sample; use generate() for n > 1")
-        if sp.response_format is not None:
-            raise ValueError("response_format: structured output is not supported by the engine yet")
         prompt_ids = self._encode(prompt)
         sp.check_vocab(self.model.config.vocab_size)
+        grammar = None
+        if sp.response_format is not None and sp.response_format.get("type") != "text":
+            vocab = constraints.vocab_for(self.tokenizer, self.model.config.vocab_size,
+                                          exclude_ids=self.eos_token_ids)
+            grammar = constraints.compile_format(sp.response_format, vocab)  # cached
         seed = sp.seed if sp.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
         key = seed_key_data(seed) if sp.n == 1 else np.asarray(
             jax.random.key_data(jax.random.fold_in(jax.random.key(seed), index)), np.uint32)
         rid = request_id or f"req-{next(self._ids)}"
         return RequestHandle(self, rid, prompt_ids, sp, seed, key, prompt_index, index,
-                             output_kind or sp.output_kind)
+                             output_kind or sp.output_kind, grammar)
 
     def _enqueue(self, handles: list, block: bool) -> None:
         """Queue handles together (the engine admits them in one prefill when slots allow)."""
@@ -438,12 +444,42 @@ class LLM:
         rows = RowParams.build(sampling, self.model.config.vocab_size, self.eos_token_ids,
                                keys=keys)
         prefilled = decode.prefill(self.model, self.params, tokens, lengths, rows, self.max_len)
+        initial = self._grammar_tables(batch)
+        if initial is not None:
+            states = np.full((n,), -1, np.int32)
+            states[:len(batch)] = initial
+            prefilled = prefilled.replace(grammar_state=jnp.asarray(states))
         self._state = slots.insert(self._state, prefilled, targets)
         for r, slot in zip(batch, free):
             self._release[slot] = False
             r.slot, r.dispatched = slot, 0
             self._slots[slot] = r
             r.lifecycle.transition(RequestState.DECODING)
+
+    def _grammar_tables(self, batch: list) -> Optional[np.ndarray]:
+        """Keep one table set for the constraints of the live slots plus `batch` (existing ones
+        first, so offsets rarely move; else the live rows' states are rebased). Returns the
+        initial grammar state of each request in `batch`, or None while nothing was ever
+        constrained (then the step carries no tables and pays nothing)."""
+        live = [r for r in self._slots if r is not None]
+        wanted = [r.grammar for r in live + batch if r.grammar is not None]
+        if not wanted and self._bundle is None:
+            return None
+        bundle = constraints.build_tables(wanted, self.model.config.vocab_size)
+        if self._state.grammar_state is None:
+            self._state = self._state.replace(
+                grammar_state=jnp.full((self.max_slots,), -1, jnp.int32))
+        if bundle is not self._bundle:
+            old = np.asarray(self._state.grammar_state)
+            keys = [r.grammar.key if r is not None and r.grammar is not None else None
+                    for r in self._slots]
+            states = (constraints.rebase_states(old, keys, self._bundle, bundle)
+                      if self._bundle is not None else old)
+            states = np.where([k is None for k in keys], -1, states).astype(np.int32)
+            self._state = self._state.replace(grammar_state=jnp.asarray(states),
+                                              grammar=bundle.tables)
+            self._bundle = bundle
+        return np.array([bundle.initial_state(r.grammar) for r in batch], np.int32)
 
     def _dispatch(self) -> Optional[_Dispatched]:
         owners = list(self._slots)
@@ -491,15 +527,14 @@ class LLM:
                 self._end(r, FinishReason.DEADLINE_EXCEEDED)
 
     def _on_token(self, r: RequestHandle, token: int, code: int) -> None:
+        lc = r.lifecycle
+        if code in decode.ERRORS:  # NaN logits, every token masked, a grammar dead end (P2):
+            self._fail(r, decode.ERRORS[code], decode.ERRORS[code].value)  # nothing selected
+            return
         r.selected += 1
         t = r.selected
         r.token_ids.append(token)
-        lc = r.lifecycle
         lc.record("token.selected", step=t, token=token)
-        if code in (MODEL_ERROR, ALL_MASKED):
-            error = ErrorCode.MODEL_ERROR if code == MODEL_ERROR else ErrorCode.ALL_TOKENS_MASKED
-            self._fail(r, error, "NaN logits" if code == MODEL_ERROR else "every token was masked")
-            return
         if code == EOS or (code == STOP_TOKEN and not r.sampling.include_stop_in_output):
             self._end(r, decode.FINISH_REASONS[code])  # never shown (D6, S8)
             return
@@ -515,7 +550,7 @@ class LLM:
         elif code == RUNNING:
             r.processed += 1
             lc.record("decode.completed", step=t, cache_length=len(r.prompt_ids) + t)
-        else:  # MAX_TOKENS, CONTEXT_LIMIT, or a shown stop id
+        else:  # MAX_TOKENS, CONTEXT_LIMIT, GRAMMAR_COMPLETE, or a shown stop id
             self._end(r, decode.FINISH_REASONS[code])
 
     # -- endings (each ends the request exactly once, then releases its slot) ----------------------
@@ -564,6 +599,7 @@ class LLM:
         for r in victims:
             self._fail(r, error, message)
         self._state = None
+        self._bundle = None
         self._slots = [None] * self.max_slots
         self._release[:] = False
         self._paused[:] = False

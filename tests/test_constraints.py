@@ -348,3 +348,29 @@ def test_grammar_P3_mixed_batch_free_rows_unchanged(demo, mixed):
     for r in free:
         assert out.tokens(r) == ref.tokens(r)
         assert out.finish_reasons[r] == ref.finish_reasons[r] == jd.FinishReason.MAX_OUTPUT_TOKENS
+
+
+def test_grammar_in_the_engine_matches_device_generate(demo, mixed):
+    """The engine carries the grammar state per slot: the same rows, arriving a few at a time
+    into fewer slots (the table set is rebuilt and live rows rebased), give the device loop's
+    tokens, endings and errors."""
+    import time
+
+    model, params, tok = demo
+    rows, prompts, out, _ = mixed
+    with jd.LLM(model, params, tok, max_slots=4, max_len=256) as llm:
+        handles = []
+        for r, (_, _, sp) in enumerate(rows):
+            handles.append(llm.submit(prompts[r], sp))
+            if r % 3 == 2:
+                time.sleep(0.05)
+        done = [h.result(timeout=300) for h in handles]
+    for r, c in enumerate(done):
+        assert list(c.token_ids) == out.tokens(r), rows[r][0]
+        if out.errors[r] is not None:
+            assert c.error == out.errors[r] == jd.ErrorCode.GRAMMAR_DEAD_END
+        else:
+            assert c.finish_reason == out.finish_reasons[r]
+    flat = [c for c, (kind, _, _) in zip(done, rows) if kind == "flat"]
+    for c in flat:
+        jsonschema.validate(json.loads(c.text), FLAT)
