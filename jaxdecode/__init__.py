@@ -6,12 +6,13 @@ from jaxdecode.decode import GenerateOutput, compilation_count, generate
 from jaxdecode.engine import LLM, EngineClosed, QueueFull, RequestHandle
 from jaxdecode.model_api import DecoderModel, KVCache, ModelConfig
 from jaxdecode.processors import PROCESSOR_ORDER, process_logits
+from jaxdecode.replay import GenerationRecord, ReplayReport, replay
 from jaxdecode.state import StepState
 from jaxdecode.types import (Completion, DecodingError, ErrorCode, Event, FinishReason,
                              RequestState, Usage)
 
 __all__ = [
-    "Completion", "DecoderModel", "DecodingError", "EngineClosed", "LLM", "QueueFull",
+    "Completion", "GenerationRecord", "ReplayReport", "replay", "DecoderModel", "DecodingError", "EngineClosed", "LLM", "QueueFull",
     "RequestHandle", "ErrorCode", "Event", "FinishReason", "GenerateOutput",
     "KVCache", "ModelConfig", "PROCESSOR_ORDER", "RequestState", "SamplingParams", "StepState",
     "Usage", "assert_incremental_consistency", "compilation_count", "generate", "process_logits",

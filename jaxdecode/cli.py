@@ -3,6 +3,7 @@
 
     jaxdecode generate [--model DIR|demo] [--prompt TEXT | --prompt-file F] [--max-tokens N] ...
         (streams through the engine `jd.LLM`: detokenizer, stop matcher, ordered stream)
+    jaxdecode replay FILE [--model DIR|demo]
     jaxdecode bench [--model DIR|demo|CONFIG] [--batch N]... [--compare-hf] [--json FILE]
 """
 
@@ -71,8 +72,9 @@ def cmd_generate(args) -> int:
     t0 = time.perf_counter()
     first_delta_s = None
     try:
-        with LLM(model, params, tokenizer, max_slots=1, max_len=max_len) as llm:
-            handle = llm.submit(prompt_ids, sp)
+        with LLM(model, params, tokenizer, max_slots=1, max_len=max_len,
+                 model_source=args.model) as llm:
+            handle = llm.submit(prompt, sp)
             if stream:
                 sys.stdout.write(prompt)
                 for event in handle.events():
@@ -84,6 +86,8 @@ def cmd_generate(args) -> int:
     except ValueError as e:
         raise SystemExit(f"--{str(e).split(':')[0].replace('_', '-')}: {e}")
     elapsed = time.perf_counter() - t0
+    if args.record:
+        done.record.save(args.record)
     if args.json:
         print(json.dumps({"text": done.text, "token_ids": list(done.token_ids),
                           "finish_reason": done.finish_reason and done.finish_reason.value,
@@ -98,6 +102,27 @@ def cmd_generate(args) -> int:
         print(f"[{status}; {done.usage.selected_tokens} tokens in {elapsed:.2f}s, "
               f"first text after {first_delta_s or 0:.2f}s]", file=sys.stderr)
     return 0 if done.error is None else 1
+
+
+def cmd_replay(args) -> int:
+    """Exit 0 when the replay is identical, 1 (with the first divergent step) otherwise."""
+    from jaxdecode.engine import LLM
+    from jaxdecode.replay import GenerationRecord, replay
+
+    try:
+        record = GenerationRecord.load(args.file)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"replay: {args.file}: {e}")
+    spec = args.model or record.data["model"].get("source")
+    if not spec:
+        raise SystemExit("--model: the record names no model source; pass --model DIR|demo")
+    model, params, tokenizer = load_model(spec)
+    layout = record.data["layout"]
+    with LLM(model, params, tokenizer, max_slots=layout["max_slots"], max_len=layout["max_len"],
+             model_source=spec) as llm:
+        report = replay(record, llm)
+    print(report.describe())
+    return 0 if report.identical else 1
 
 
 def _bench_model(spec: str, compare_hf: bool, workdir: str):
@@ -202,7 +227,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--no-stream", action="store_true", help="print the text once at the end")
     g.add_argument("--json", action="store_true", help="print one JSON object with text and usage")
+    g.add_argument("--record", help="write the generation record (SPEC §11) to this JSON file")
     g.set_defaults(func=cmd_generate)
+
+    r = sub.add_parser("replay", help="re-run a generation record; exit 1 on a divergence")
+    r.add_argument("file")
+    r.add_argument("--model", help="DIR or demo (default: the source named in the record)")
+    r.set_defaults(func=cmd_replay)
 
     b = sub.add_parser("bench", help="decode throughput, side by side with HF PyTorch")
     b.add_argument("--model", default="llama-512",

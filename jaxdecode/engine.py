@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import hashlib
 import itertools
 import logging
 import os
@@ -41,10 +40,12 @@ import numpy as np
 import jax.numpy as jnp
 
 from jaxdecode import constraints, decode, slots
+from jaxdecode import replay as replay_lib
+from jaxdecode import request_state
 from jaxdecode.config import SamplingParams
 from jaxdecode.host import Lifecycle, OrderedStream, TextPipeline
 from jaxdecode.model_api import DecoderModel
-from jaxdecode.state import EOS, RUNNING, STOP_TOKEN, RowParams, seed_key_data
+from jaxdecode.state import EOS, RUNNING, STOP_TOKEN, RowParams, StepState, seed_key_data
 from jaxdecode.tokenization import encode, eos_token_id
 from jaxdecode.types import (Completion, DecodingError, ErrorCode, FinishReason, RequestState,
                              Usage)
@@ -70,11 +71,13 @@ class RequestHandle:
     """A submitted request: its events, trace, cancellation and result."""
 
     def __init__(self, engine: "LLM", request_id: str, prompt_ids: list, sampling: SamplingParams,
+                 prompt_text: Optional[str],
                  seed: int, key_data: np.ndarray, prompt_index: int, index: int,
                  output_kind: str, grammar: Optional[Any] = None):
         self.request_id = request_id
         self.grammar = grammar  # constraints.CompiledIndex of its response_format, or None
         self.prompt_ids = prompt_ids
+        self.prompt_text = prompt_text
         self.sampling = sampling
         self.seed = seed
         self.key_data = key_data
@@ -96,6 +99,10 @@ class RequestHandle:
         self.dispatched = 0  # steps dispatched while in a slot (one may be ahead of `selected`)
         self.slot: Optional[int] = None
         self.error_message = ""
+        self.user_paused = False   # pause(): the row skips steps, its state unchanged (B1)
+        self.in_flight = 0         # dispatched steps of this row not yet processed
+        self.restored: Optional[dict] = None  # saved arrays, when restored from disk
+        self._settled = threading.Event()
         self._engine = engine
         self._done = threading.Event()
 
@@ -113,6 +120,19 @@ class RequestHandle:
         """Ask for cancellation; returns at once, idempotent, a no-op once ended (SPEC C4)."""
         if self.lifecycle.request_cancel():
             self._engine._wake()
+
+    def pause(self) -> None:
+        """Stop scheduling this request's steps; its state stays exactly as it is (SPEC B1).
+        Returns at once; `LLM.save_request` waits until no step of it is in flight."""
+        self._settled.clear()
+        self.user_paused = True
+        self.lifecycle.record("paused")
+        self._engine._wake()
+
+    def resume(self) -> None:
+        self.user_paused = False
+        self.lifecycle.record("resumed")
+        self._engine._wake()
 
     def result(self, timeout: Optional[float] = None) -> Completion:
         if not self._done.wait(timeout):
@@ -136,12 +156,13 @@ class RequestHandle:
         term = self.lifecycle.terminal_event
         data = term.data if term is not None else {}
         reason = data.get("finish_reason")
+        finish = FinishReason(reason) if reason is not None else None
+        error = ErrorCode(data["error"]) if data.get("error") is not None else None
         return Completion(
             request_id=self.request_id, text=self.pipeline.text,
-            token_ids=tuple(self.token_ids),
-            finish_reason=FinishReason(reason) if reason is not None else None,
-            error=ErrorCode(data["error"]) if data.get("error") is not None else None,
-            usage=self.usage(), events=tuple(self.lifecycle.events), record=None,
+            token_ids=tuple(self.token_ids), finish_reason=finish, error=error,
+            usage=self.usage(), events=tuple(self.lifecycle.events),
+            record=self._engine._record(self, finish, error),
             prompt_index=self.prompt_index, index=self.index, state=self.lifecycle.state,
             timings=self.lifecycle.timings(self.pipeline).as_dict())
 
@@ -163,7 +184,7 @@ class LLM:
     def __init__(self, model: DecoderModel, params: Any, tokenizer: Any, *, max_slots: int = 8,
                  max_len: int = 2048, eos_token_ids: Optional[Sequence[int]] = None,
                  max_queue: int = 1024, max_buffered: int = 4096, backpressure: str = "buffer",
-                 trace: bool = True):
+                 trace: bool = True, model_source: Optional[str] = None):
         if not isinstance(max_slots, int) or max_slots < 1:
             raise ValueError(f"max_slots: must be a positive integer, got {max_slots!r}")
         if not isinstance(max_len, int) or not 2 <= max_len <= model.config.max_len:
@@ -179,7 +200,8 @@ class LLM:
             if not eos_token_ids and eos_token_id(tokenizer) is not None:
                 eos_token_ids = (eos_token_id(tokenizer),)
         self.eos_token_ids = tuple(eos_token_ids)
-        self.model_snapshot = hashlib.sha256(repr(model.config).encode()).hexdigest()[:16]
+        self.model_source = model_source  # where the weights came from ("demo", a directory)
+        self._hashes: dict = {}
         self.error: Optional[str] = None  # the last engine failure (health)
         self._cond = threading.Condition()
         self._queue: collections.deque[RequestHandle] = collections.deque()
@@ -191,6 +213,7 @@ class LLM:
         self._ids = itertools.count()
         self._closed = False
         self._thread: Optional[threading.Thread] = None
+        self._jobs: collections.deque = collections.deque()
 
     # -- public API ------------------------------------------------------------------------------
 
@@ -221,7 +244,8 @@ class LLM:
         key = seed_key_data(seed) if sp.n == 1 else np.asarray(
             jax.random.key_data(jax.random.fold_in(jax.random.key(seed), index)), np.uint32)
         rid = request_id or f"req-{next(self._ids)}"
-        return RequestHandle(self, rid, prompt_ids, sp, seed, key, prompt_index, index,
+        return RequestHandle(self, rid, prompt_ids, sp, prompt if isinstance(prompt, str) else None,
+                             seed, key, prompt_index, index,
                              output_kind or sp.output_kind, grammar)
 
     def _enqueue(self, handles: list, block: bool) -> None:
@@ -332,6 +356,139 @@ class LLM:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    # -- reproducibility (SPEC §11, jaxdecode/replay.py) ---------------------------------------------
+
+    @property
+    def params_hash(self) -> str:
+        """Content hash of the weights (computed once, on first use)."""
+        if "params" not in self._hashes:
+            self._hashes["params"] = replay_lib.params_hash(self.params)
+        return self._hashes["params"]
+
+    @property
+    def tokenizer_hash(self) -> str:
+        if "tokenizer" not in self._hashes:
+            self._hashes["tokenizer"] = replay_lib.tokenizer_hash(self.tokenizer)
+        return self._hashes["tokenizer"]
+
+    @property
+    def model_snapshot(self) -> str:
+        """The snapshot named by every `start` event: the first 16 hex digits of the weights'
+        hash."""
+        return self.params_hash[:16]
+
+    def _record(self, r: RequestHandle, finish: Optional[FinishReason],
+                error: Optional[ErrorCode]) -> replay_lib.GenerationRecord:
+        return replay_lib.build_record(
+            model_hash=self.params_hash, model_config=self.model.config,
+            model_source=self.model_source, tokenizer_hash_=self.tokenizer_hash,
+            prompt_text=r.prompt_text, prompt_ids=r.prompt_ids, sampling=r.sampling, seed=r.seed,
+            key_data=r.key_data, sample_index=r.index,
+            layout={"engine": "LLM", "max_slots": self.max_slots, "max_len": self.max_len,
+                    "prompt_bucket": decode.bucket(len(r.prompt_ids), self.max_len)},
+            detokenizer_mode=r.pipeline.detokenizer.mode, token_ids=r.token_ids,
+            text=r.pipeline.text, finish_reason=finish.value if finish else None,
+            error=error.value if error else None, usage=dataclasses.asdict(r.usage()))
+
+    def run_record(self, record: replay_lib.GenerationRecord) -> Completion:
+        """Run a record's request again: same prompt ids, settings, seed and sample index."""
+        sp = dataclasses.replace(record.sampling, seed=record.data["rng"]["seed"])
+        handle = self._make_handle(record.prompt_ids, sp, index=record.data["rng"]["sample_index"],
+                                   output_kind="final_only")
+        handle.prompt_text = record.data["prompt"]["text"]
+        self._enqueue([handle], block=True)
+        return handle.result()
+
+    # -- pause, save, restore (SPEC B1) -----------------------------------------------------------
+
+    def save_request(self, handle: RequestHandle, path: str, timeout: float = 60.0) -> str:
+        """Pause `handle` and write its slice of the decoding state to `path` (orbax arrays +
+        request.json): cache up to its length, logits, last token, step, penalty counts,
+        per-row settings and key, grammar state, and the host counters. The request stays
+        paused here (`resume()` or `cancel()` it); `restore_request` continues it anywhere."""
+        if handle.done or handle.slot is None:
+            raise ValueError("request: only a running request (in a slot) can be saved")
+        handle.pause()
+        if not handle._settled.wait(timeout):
+            raise TimeoutError("request: a step of it is still in flight")
+        arrays = self._on_engine_thread(lambda: self._extract_row(handle))
+        meta = {"request_id": handle.request_id, "prompt_ids": handle.prompt_ids,
+                "prompt_text": handle.prompt_text,
+                "sampling": replay_lib.sampling_to_json(
+                    dataclasses.replace(handle.sampling, seed=handle.seed)),
+                "index": handle.index, "prompt_index": handle.prompt_index,
+                "output_kind": handle.lifecycle.stream.output_kind.value,
+                "token_ids": handle.token_ids, "selected": handle.selected,
+                "processed": handle.processed, "next_seq": handle.lifecycle.stream.next_seq,
+                "model_hash": self.params_hash}
+        return str(request_state.save(path, arrays, meta))
+
+    def _extract_row(self, r: RequestHandle) -> dict:
+        st, slot = self._state, r.slot
+        length = int(st.cache.lengths[slot])
+        row = lambda x: np.asarray(x[slot])  # noqa: E731
+        arrays = {"k": np.asarray(st.cache.k[:, slot, :, :length]),
+                  "v": np.asarray(st.cache.v[:, slot, :, :length]),
+                  "length": np.int32(length), "logits": row(st.logits),
+                  "last_token": row(st.last_token), "step": row(st.step),
+                  "counts": row(st.counts), "seen": row(st.seen), "finish": row(st.finish)}
+        for name, value in vars(st.rows).items():
+            arrays["rows." + name] = row(value)
+        if r.grammar is not None:
+            arrays["grammar_local"] = np.int32(int(st.grammar_state[slot])
+                                               - self._bundle.offsets[r.grammar.key])
+        return arrays
+
+    def restore_request(self, path: str) -> RequestHandle:
+        """Continue a request saved by `save_request` (in this or another process): the output
+        equals an uninterrupted run's, byte for byte."""
+        arrays, meta = request_state.load(path)
+        if meta.get("model_hash") != self.params_hash:
+            raise ValueError("path: the saved request was decoded with other weights")
+        sp = replay_lib.sampling_from_json(meta["sampling"])
+        r = self._make_handle(meta["prompt_ids"], sp, meta["request_id"],
+                              meta["prompt_index"], meta["index"], meta["output_kind"])
+        if not np.array_equal(r.key_data, arrays["rows.keys"]):
+            raise ValueError("path: the saved key does not match the request's seed")
+        r.prompt_text = meta["prompt_text"]
+        r.token_ids = list(meta["token_ids"])
+        r.selected, r.processed = meta["selected"], meta["processed"]
+        for token in r.token_ids:  # rebuild the detokenizer and stop-matcher state
+            r.pipeline.push(token)
+        r.lifecycle.stream.continue_numbering(meta["next_seq"])
+        r.lifecycle.record("request.restored", selected=r.selected)
+        r.restored = arrays
+        self._enqueue([r], block=True)
+        return r
+
+    def _insert_restored(self, r: RequestHandle, slot: int) -> None:
+        a = r.restored
+        r.lifecycle.transition(RequestState.PREFILLING)
+        length = int(a["length"])
+        cache = self.model.init_cache(1, self.max_len, decode.params_dtype(self.params))
+        k = np.zeros(cache.k.shape, cache.k.dtype)
+        v = np.zeros(cache.v.shape, cache.v.dtype)
+        k[:, 0, :, :length], v[:, 0, :, :length] = a["k"], a["v"]
+        one = lambda x: jnp.asarray(np.asarray(x)[None])  # noqa: E731
+        rows = RowParams(**{name[5:]: one(value) for name, value in a.items()
+                            if name.startswith("rows.")})
+        row = StepState(cache=cache.replace(k=jnp.asarray(k), v=jnp.asarray(v),
+                                            lengths=jnp.asarray([length], jnp.int32)),
+                        logits=one(a["logits"]), last_token=one(a["last_token"]),
+                        step=one(a["step"]), counts=one(a["counts"]), seen=one(a["seen"]),
+                        done=jnp.zeros((1,), bool), paused=jnp.zeros((1,), bool),
+                        finish=one(a["finish"]), rows=rows)
+        initial = self._grammar_tables([r])
+        if initial is not None:
+            local = int(a["grammar_local"]) if "grammar_local" in a else 0
+            row = row.replace(grammar_state=jnp.asarray(
+                [initial[0] + local if r.grammar is not None else -1], jnp.int32))
+        self._state = slots.insert(self._state, row, np.array([slot], np.int32))
+        self._release[slot] = False
+        r.slot, r.dispatched, r.restored = slot, r.selected, None
+        self._slots[slot] = r
+        r.lifecycle.transition(RequestState.DECODING)
+
     @property
     def num_waiting(self) -> int:
         return len(self._queue)
@@ -378,11 +535,13 @@ class LLM:
             with self._cond:
                 if self._closed:
                     break
-                idle = in_flight is None and not any(self._slots) and not self._queue
+                idle = (in_flight is None and not any(self._slots) and not self._queue
+                        and not self._jobs)
                 if idle:
                     self._cond.wait(0.5)
                     continue
             try:
+                self._run_jobs()
                 self._sweep_queue()
                 self._admit()
                 dispatched = self._dispatch()
@@ -400,6 +559,30 @@ class LLM:
                 in_flight = None
                 self._fail_all(ErrorCode.MODEL_ERROR, self.error)
         self._shutdown()
+
+    def _run_jobs(self) -> None:
+        while self._jobs:
+            fn, box, done = self._jobs.popleft()
+            try:
+                box.append((True, fn()))
+            except Exception as exc:  # handed back to the caller
+                box.append((False, exc))
+            done.set()
+
+    def _on_engine_thread(self, fn, timeout: float = 60.0):
+        """Run `fn` on the engine thread at its next safe point (it owns the device state)."""
+        box: list = []
+        done = threading.Event()
+        with self._cond:
+            self._jobs.append((fn, box, done))
+            self._ensure_thread()
+            self._cond.notify_all()
+        if not done.wait(timeout):
+            raise TimeoutError("the engine did not reach a safe point in time")
+        ok, value = box[0]
+        if not ok:
+            raise value
+        return value
 
     def _sweep_queue(self) -> None:
         """Cancels and deadlines of requests that have not reached a slot yet."""
@@ -420,14 +603,18 @@ class LLM:
         with self._cond:
             batch = [self._queue.popleft() for _ in range(min(len(free), len(self._queue)))]
             self._cond.notify_all()
-        if batch:
-            self._prefill_into(batch, free[:len(batch)])
+        if self._state is None and batch:
+            self._state = slots.empty_state(self.model, self.params, self.max_slots,
+                                            self.max_len, self.eos_token_ids)
+        fresh = [r for r in batch if r.restored is None]
+        restored = [r for r in batch if r.restored is not None]
+        for r, slot in zip(restored, free[len(fresh):]):
+            self._insert_restored(r, slot)
+        if fresh:
+            self._prefill_into(fresh, free[:len(fresh)])
 
     def _prefill_into(self, batch: list, free: list) -> None:
         """Prefill the admitted requests as one padded batch and scatter them into slots."""
-        if self._state is None:
-            self._state = slots.empty_state(self.model, self.params, self.max_slots,
-                                            self.max_len, self.eos_token_ids)
         for r in batch:
             r.lifecycle.transition(RequestState.PREFILLING)
         n = 1 << (len(batch) - 1).bit_length()
@@ -483,7 +670,8 @@ class LLM:
 
     def _dispatch(self) -> Optional[_Dispatched]:
         owners = list(self._slots)
-        paused = np.array([r is not None and r.lifecycle.stream.should_pause for r in owners])
+        paused = np.array([r is not None and (r.user_paused or r.lifecycle.stream.should_pause)
+                           for r in owners])
         live = [r for r, p in zip(owners, paused) if r is not None and not p]
         for r, now, before in zip(owners, paused, self._paused):
             if r is not None and now != before:  # SPEC B1: the row stays exactly as it is
@@ -499,12 +687,16 @@ class LLM:
         kv_len = min(max(decode.bucket(longest), KV_BUCKET_MIN), self.max_len)
         for r in live:
             r.dispatched += 1
+            r.in_flight += 1
             r.lifecycle.record("decode.started", step=r.dispatched)
         self._state, out = decode.decode_step_jit(self.model, self.params, self._state, 0, kv_len)
         return _Dispatched(out=out, owners=[r if r in live else None for r in owners])
 
     def _process(self, step: _Dispatched) -> None:
         out = jax.device_get(step.out)
+        for r in step.owners:
+            if r is not None:
+                r.in_flight -= 1
         for slot, r in enumerate(step.owners):
             if r is None or r.lifecycle.is_terminal or r.slot != slot:
                 continue  # the duplicate guard: the request ended after this step was sent
@@ -521,6 +713,8 @@ class LLM:
         for r in list(self._slots):
             if r is None or r.lifecycle.is_terminal:
                 continue
+            if r.user_paused and r.in_flight == 0:
+                r._settled.set()
             if r.lifecycle.observe_cancel():
                 self._end_cancelled(r)
             elif r.deadline is not None and now >= r.deadline:

@@ -146,6 +146,15 @@ class OrderedStream:
         self._reader_closed = False
 
     # ---- producer side ----------------------------------------------------------------------
+    def continue_numbering(self, next_seq: int) -> None:
+        """A request restored from a save continues its stream: the next event gets `next_seq`
+        (call before `start`)."""
+        with self._cond:
+            if self._history or self._started:
+                raise RuntimeError("continue_numbering must come before any event")
+            self._first_seq = self._next_seq = int(next_seq)
+            self._cursor = int(next_seq) - 1
+
     def start(self, model_snapshot: Optional[str] = None, **data: Any) -> Optional[Event]:
         """Append the ``start`` event (seq 0). Idempotent: returns None when already started."""
         with self._cond:
