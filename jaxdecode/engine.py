@@ -415,7 +415,14 @@ class LLM:
             batch = [self._queue.popleft() for _ in range(min(len(free), len(self._queue)))]
             self._cond.notify_all()
         if batch:
-            self._prefill_into(batch, free[:len(batch)])
+            try:
+                self._prefill_into(batch, free[:len(batch)])
+            except Exception as exc:  # fail the admitted requests that never reached a slot
+                message = f"{type(exc).__name__}: {exc}"
+                for r in batch:
+                    if r.slot is None or self._slots[r.slot] is not r:
+                        self._fail(r, ErrorCode.MODEL_ERROR, message)
+                raise
 
     def _prefill_into(self, batch: list, free: list) -> None:
         """Prefill the admitted requests as one padded batch and scatter them into slots."""
@@ -433,8 +440,9 @@ class LLM:
         for i, (r, slot) in enumerate(zip(batch, free)):
             tokens[i, :len(r.prompt_ids)] = r.prompt_ids
             lengths[i], targets[i], keys[i] = len(r.prompt_ids), slot, r.key_data
-            sampling[i] = dataclasses.replace(
-                r.sampling, max_tokens=min(r.sampling.max_tokens, self.max_len - lengths[i]))
+            sampling[i] = dataclasses.replace(  # a Python int: SamplingParams rejects np.int32
+                r.sampling, max_tokens=min(r.sampling.max_tokens,
+                                           self.max_len - len(r.prompt_ids)))
         rows = RowParams.build(sampling, self.model.config.vocab_size, self.eos_token_ids,
                                keys=keys)
         prefilled = decode.prefill(self.model, self.params, tokens, lengths, rows, self.max_len)

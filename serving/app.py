@@ -325,7 +325,7 @@ class Server:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             log = ResponseLog(request_id, handles, chat=chat, include_usage=include_usage,
                               created=int(time.time()), prompt_tokens=len(ids))
-            log.info["tracked"] = tracked
+            log.tracked = tracked
             self.registry.add(log)
             log.task = self.spawn(self.pump(log, tracked))
             return SSEResponse(self.sse(log, -1, tracked),
@@ -553,7 +553,7 @@ class Server:
         except ApiError as err:
             return self.reject(err, request_id, "/v1/streams")
         log_event("stream.resumed", request_id=request_id, after=after, done=log.done)
-        return SSEResponse(self.sse(log, after, log.info["tracked"]),
+        return SSEResponse(self.sse(log, after, log.tracked),
                            headers={"x-request-id": request_id})
 
     # -- other routes -----------------------------------------------------------------------------

@@ -39,9 +39,8 @@ class ResponseLog:
         self.done = False
         self.finished_at: Optional[float] = None
         self.readers = 0
-        self.transport_error = False  # a reader went away and the policy cancelled the request
+        self.tracked: Any = None  # the server's bookkeeping (transport_error, metrics)
         self.task: Optional[asyncio.Task] = None
-        self.info: dict = {}
         self._changed = asyncio.Event()
 
     def append(self, data: str) -> int:
