@@ -159,7 +159,7 @@ class Server:
     def __init__(self, llm: Any, *, model_name: str, api_key: Optional[str],
                  on_disconnect: str, max_body_bytes: int, log_prompts: bool,
                  stream_ttl_s: float, max_kept_streams: int, retry_after_s: int,
-                 max_n: int):
+                 max_n: int, keepalive_s: float = 15.0):
         self.llm = llm
         self.model_name = model_name
         self.api_key = api_key
@@ -170,6 +170,8 @@ class Server:
         self.max_n = max_n
         self.metrics = Metrics(llm)
         self.registry = StreamRegistry(max_finished=max_kept_streams, ttl_s=stream_ttl_s)
+        self.keepalive_s = keepalive_s
+        self.fingerprint = f"jaxdecode-{getattr(llm, 'model_snapshot', '')}"
         self.created = int(time.time())
         self._background: set = set()
 
@@ -389,7 +391,8 @@ class Server:
             choices.append(self._final_choice(h, i, chat, tracked, text=h.pipeline.text))
         body = {"id": tracked.request_id,
                 "object": "chat.completion" if chat else "text_completion",
-                "created": int(time.time()), "model": self.model_name, "choices": choices,
+                "created": int(time.time()), "model": self.model_name,
+                "system_fingerprint": self.fingerprint, "choices": choices,
                 "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                           "total_tokens": prompt_tokens + completion_tokens}}
         return JSONResponse(body, headers={"x-request-id": tracked.request_id})
@@ -418,7 +421,8 @@ class Server:
     def _chunk(self, log: ResponseLog, choice: dict) -> str:
         obj = {"id": log.request_id,
                "object": "chat.completion.chunk" if log.chat else "text_completion",
-               "created": log.created, "model": self.model_name, "choices": [choice]}
+               "created": log.created, "model": self.model_name,
+               "system_fingerprint": self.fingerprint, "choices": [choice]}
         if log.include_usage:
             obj["usage"] = None
         return _json(obj)
@@ -500,7 +504,8 @@ class Server:
                 log.append(_json({
                     "id": log.request_id,
                     "object": "chat.completion.chunk" if log.chat else "text_completion",
-                    "created": log.created, "model": self.model_name, "choices": [],
+                    "created": log.created, "model": self.model_name,
+                    "system_fingerprint": self.fingerprint, "choices": [],
                     "usage": {"prompt_tokens": log.prompt_tokens, "completion_tokens": completion,
                               "total_tokens": log.prompt_tokens + completion}}))
         except Exception:
@@ -525,8 +530,11 @@ class Server:
         last reader leaves before the end."""
         log.readers += 1
         try:
-            async for i, data in log.follow(after):
-                yield f"id: {i}\ndata: {data}\n\n"
+            async for i, data in log.follow(after, idle_s=self.keepalive_s):
+                if i is None:  # a comment line keeps proxies from closing an idle stream
+                    yield ": keep-alive\n\n"
+                else:
+                    yield f"id: {i}\ndata: {data}\n\n"
         finally:
             log.readers -= 1
             if not log.done and log.readers == 0:
@@ -580,7 +588,7 @@ def create_app(llm: Any, *, model_name: str, api_key: Optional[str] = None,
                on_disconnect: str = "cancel", max_body_bytes: int = 4 << 20,
                log_prompts: bool = False, stream_ttl_s: float = 600.0,
                max_kept_streams: int = 256, retry_after_s: int = 1, max_n: int = MAX_N,
-               close_llm_on_shutdown: bool = False) -> FastAPI:
+               keepalive_s: float = 15.0, close_llm_on_shutdown: bool = False) -> FastAPI:
     """The FastAPI app serving `llm` under `model_name` (see the module docstring)."""
     if on_disconnect not in ON_DISCONNECT:
         raise ValueError(f"on_disconnect: must be one of {ON_DISCONNECT}, got {on_disconnect!r}")
@@ -589,7 +597,8 @@ def create_app(llm: Any, *, model_name: str, api_key: Optional[str] = None,
     server = Server(llm, model_name=model_name, api_key=api_key, on_disconnect=on_disconnect,
                     max_body_bytes=max_body_bytes, log_prompts=log_prompts,
                     stream_ttl_s=stream_ttl_s, max_kept_streams=max_kept_streams,
-                    retry_after_s=retry_after_s, max_n=max(1, min(max_n, llm.max_queue)))
+                    retry_after_s=retry_after_s, max_n=max(1, min(max_n, llm.max_queue)),
+                    keepalive_s=keepalive_s)
 
     import contextlib
 

@@ -60,8 +60,10 @@ class ResponseLog:
         ev, self._changed = self._changed, asyncio.Event()
         ev.set()
 
-    async def follow(self, after: int = -1) -> AsyncIterator[tuple[int, str]]:
-        """(id, data) of every event after `after`, waiting for new ones until the log closes."""
+    async def follow(self, after: int = -1, idle_s: Optional[float] = None
+                     ) -> AsyncIterator[tuple[Optional[int], Optional[str]]]:
+        """(id, data) of every event after `after`, waiting for new ones until the log closes;
+        (None, None) after each `idle_s` seconds without an event (for keep-alive comments)."""
         i = max(-1, after) + 1
         while True:
             changed = self._changed
@@ -71,16 +73,23 @@ class ResponseLog:
             if self.done:
                 return
             if changed is self._changed:
-                await changed.wait()
+                try:
+                    await asyncio.wait_for(changed.wait(), idle_s)
+                except asyncio.TimeoutError:
+                    yield None, None
 
 
 class StreamRegistry:
     """Logs by request id: live ones are always kept; finished ones for `ttl_s` seconds, at most
-    `max_finished` of them (oldest dropped first)."""
+    `max_finished` of them holding at most `max_events` events together (oldest dropped
+    first). A kept log also keeps its engine handles (and their traces), so these bounds are
+    what bounds the server's memory for resumable streams."""
 
-    def __init__(self, max_finished: int = 256, ttl_s: float = 600.0):
+    def __init__(self, max_finished: int = 256, ttl_s: float = 600.0,
+                 max_events: int = 65536):
         self.max_finished = max_finished
         self.ttl_s = ttl_s
+        self.max_events = max_events
         self._logs: "collections.OrderedDict[str, ResponseLog]" = collections.OrderedDict()
 
     def add(self, log: ResponseLog) -> None:
@@ -102,6 +111,13 @@ class StreamRegistry:
                 del self._logs[k]
         finished = [k for k in finished if k in self._logs]
         for k in finished[:max(0, len(finished) - self.max_finished)]:
+            del self._logs[k]
+        finished = [k for k in finished if k in self._logs]
+        total = sum(len(self._logs[k].events) for k in finished)
+        for k in finished:
+            if total <= self.max_events:
+                break
+            total -= len(self._logs[k].events)
             del self._logs[k]
 
     def live(self) -> list[Any]:

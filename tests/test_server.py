@@ -99,7 +99,8 @@ def llm():
 
 @pytest.fixture(scope="module")
 def server(llm):
-    app = create_app(llm, model_name=MODEL, api_key=KEY, max_body_bytes=MAX_BODY)
+    app = create_app(llm, model_name=MODEL, api_key=KEY, max_body_bytes=MAX_BODY,
+                     keepalive_s=0.2)
     with ServerThread(app) as srv:
         srv.app = app
         yield srv
@@ -122,10 +123,11 @@ def client(server):
         yield c
 
 
-def sse(resp):
-    """Yield (id, data) per server-sent event as it arrives."""
+def sse(resp_or_lines):
+    """Yield (id, data) per server-sent event as it arrives (comment lines are skipped)."""
+    lines = resp_or_lines.iter_lines() if hasattr(resp_or_lines, "iter_lines") else resp_or_lines
     ev_id, data = None, []
-    for line in resp.iter_lines():
+    for line in lines:
         if line == "":
             if data:
                 yield ev_id, "\n".join(data)
@@ -450,9 +452,13 @@ def test_queue_full_gets_429_with_retry_after(client, server):
         err = rejected.json()["error"]
         assert err["code"] == "queue_full" and err["type"] == "rate_limit_error"
         assert metric(client, "jaxdecode_requests_waiting") == MAX_QUEUE
+        time.sleep(0.5)  # idle streams get keep-alive comments meanwhile
         gate.set()
-        for r in opened:
-            events = list(sse(r))
+        for k, r in enumerate(opened):
+            lines = list(r.iter_lines())
+            if k == len(opened) - 1:
+                assert ": keep-alive" in lines
+            events = list(sse(lines))
             assert events[-1][1] == "[DONE]"
             assert chunks_of(events)[-1]["choices"][0]["finish_reason"] == "length"
 
@@ -610,6 +616,31 @@ def test_no_input_gives_a_500_or_kills_the_engine(server, base, extra):
                 if r.status_code == 400:
                     assert r.json()["error"]["type"] == "invalid_request_error"
         assert c.get("/health").status_code == 200
+
+
+def test_stream_registry_keeps_live_logs_and_bounds_finished_ones():
+    from serving.streams import ResponseLog, StreamRegistry
+
+    def log(rid, events=1, done=True):
+        lg = ResponseLog(rid, [], chat=False, include_usage=False, created=0, prompt_tokens=1)
+        for _ in range(events):
+            lg.append("{}")
+        if done:
+            lg.close()
+        return lg
+
+    reg = StreamRegistry(max_finished=2, ttl_s=60.0, max_events=10)
+    live = log("live", done=False)
+    reg.add(live)
+    for rid in ("a", "b", "c"):
+        reg.add(log(rid))
+    assert reg.get("a") is None and reg.get("b") and reg.get("c") and reg.get("live") is live
+    reg.add(log("big", events=10))  # c (1) + big (10) > 10 events: the oldest finished go
+    assert reg.get("b") is None and reg.get("c") is None and reg.get("big")
+    reg.get("big").finished_at -= 61  # expired
+    assert reg.get("big") is None and reg.get("live") is live
+    with pytest.raises(RuntimeError):
+        reg.get("live").close() or reg.get("live").append("x")
 
 
 # -- the command line ---------------------------------------------------------------------------
