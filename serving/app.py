@@ -17,8 +17,9 @@ ValueError("response_format: ...") becomes a 400 naming ``response_format``.
 Status codes: 400 bad input (pydantic errors too, never 422); 401 bad or missing key; 404 an
 unknown model / route / stream; 413 a body over `max_body_bytes`; 429 with ``Retry-After`` when
 the admission queue is full (`QueueFull`); 503 when the engine is closed. A request that the
-engine fails (``failed`` event) gets, without streaming, 500 ``server_error`` for a model or
-buffer failure and 400 for request-caused ones (all tokens masked, grammar dead end); while
+engine fails (``failed`` event) gets, without streaming, 500 ``server_error`` for a model,
+decoding or buffer failure and 400 for request-caused ones (all tokens masked, grammar dead
+end); while
 streaming, an SSE event ``{"error": {...}}`` for that choice. /health answers 503 with the
 engine's error once `LLM.error` is set (an engine step failed; its requests were failed and the
 engine thread went on).
@@ -70,8 +71,20 @@ from serving.streams import ResponseLog, StreamRegistry
 
 ON_DISCONNECT = ("cancel", "continue")
 # error codes of a failed request that the request itself caused (400, not 500)
+# (decoding_error is not one: text is decoded with "replace", so only a model that samples ids
+# outside its tokenizer's vocabulary can cause it)
 _CLIENT_ERRORS = {ErrorCode.ALL_TOKENS_MASKED, ErrorCode.GRAMMAR_DEAD_END,
-                  ErrorCode.DECODING_ERROR, ErrorCode.INVALID_REQUEST}
+                  ErrorCode.INVALID_REQUEST}
+
+
+def _ended(handle: Any) -> bool:
+    """The terminal event is in the stream (the lifecycle state turns terminal a moment before
+    its event is appended, so the state alone is not enough to read the event)."""
+    return handle.lifecycle.stream.finished
+
+
+def _terminal(handle: Any):
+    return handle.lifecycle.stream.terminal_event
 
 
 def _json(obj: Any) -> str:
@@ -210,7 +223,7 @@ class Server:
 
     def label(self, handle: Any, tracked: _Tracked) -> str:
         state = handle.lifecycle.state
-        term = handle.lifecycle.terminal_event
+        term = _terminal(handle)
         data = term.data if term is not None else {}
         if state is RequestState.CANCELLED:
             return (FinishReason.TRANSPORT_ERROR.value if tracked.transport_error
@@ -351,13 +364,13 @@ class Server:
             h.lifecycle.stream.add_listener(notify)
         while True:
             wake.clear()
-            if all(h.lifecycle.is_terminal for h in handles):
+            if all(_ended(h) for h in handles):
                 return True
             try:
                 await asyncio.wait_for(wake.wait(), 0.25)
             except asyncio.TimeoutError:
                 pass
-            if request is not None and not all(h.lifecycle.is_terminal for h in handles):
+            if request is not None and not all(_ended(h) for h in handles):
                 if await request.is_disconnected():
                     return False
 
@@ -376,7 +389,7 @@ class Server:
         self.finish(tracked)
         choices, completion_tokens = [], 0
         for i, h in enumerate(handles):
-            term = h.lifecycle.terminal_event
+            term = _terminal(h)
             data = term.data if term is not None else {}
             if term is None or term.kind == "failed":
                 code = ErrorCode(data["error"]) if data.get("error") else ErrorCode.MODEL_ERROR
@@ -519,7 +532,7 @@ class Server:
             if not log.done:
                 log.append("[DONE]")
                 log.close()
-            if all(h.lifecycle.is_terminal for h in log.handles):
+            if all(_ended(h) for h in log.handles):
                 self.finish(tracked)
             else:  # cancelled (server shutdown): make sure the engine requests end
                 for h in log.handles:

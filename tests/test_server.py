@@ -592,6 +592,39 @@ def test_chat_template_from_the_tokenizer_or_the_simple_one(hf_tokenizer_dir):
         chat_prompt_ids(hf, [{"role": "tool", "content": "x"}])
 
 
+def test_hf_checkpoint_dir_with_its_chat_template_in_process(tiny_hf_checkpoint):
+    """What `jaxdecode serve --model DIR` serves: models.load + a transformers tokenizer whose
+    chat template renders the prompt (httpx against the ASGI app, no socket)."""
+    import asyncio
+
+    import models
+
+    model, params, tok = models.load(tiny_hf_checkpoint("llama"))
+    tok.chat_template = "{% for m in messages %}{{ m.role }}: {{ m.content }} {% endfor %}"
+    prompt = tok("user: hello world ", add_special_tokens=False)["input_ids"]
+    # the model has 128 logits, the tokenizer 120 tokens: keep the sampler inside the tokenizer
+    bias = {str(i): -100.0 for i in range(len(tok), model.config.vocab_size)}
+    with jd.LLM(model, params, tok, max_slots=1, max_len=32) as engine:
+        want = engine.generate(prompt, jd.SamplingParams(
+            temperature=0, max_tokens=4, utf8_errors="replace", logit_bias=bias))[0]
+        assert want.error is None
+        app = create_app(engine, model_name="tiny-llama")
+
+        async def go():
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+                return await c.post("/v1/chat/completions", json={
+                    "model": "tiny-llama", "messages": [{"role": "user", "content": "hello world"}],
+                    "max_tokens": 4, "temperature": 0, "logit_bias": bias})
+
+        r = asyncio.run(go())
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["usage"]["prompt_tokens"] == len(prompt)
+    assert body["choices"][0]["message"]["content"] == want.text
+    assert body["usage"]["completion_tokens"] == want.usage.selected_tokens
+
+
 @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))
 @given(base=st.sampled_from([{}, {"prompt": "Hi", "max_tokens": 3},
                              {"messages": MSG, "max_tokens": 3}]),
