@@ -95,7 +95,8 @@ def main(args: Any) -> int:
     if args.warmup:
         t0 = time.perf_counter()
         compiled = llm.warmup()
-        log_event("engine.warmup", compilations=compiled, seconds=round(time.perf_counter() - t0, 3))
+        log_event("engine.warmup", compilations=compiled,
+                  seconds=round(time.perf_counter() - t0, 3))
     app = create_app(llm, model_name=name, api_key=api_key, on_disconnect=args.on_disconnect,
                      max_body_bytes=args.max_body_bytes, log_prompts=args.log_prompts,
                      close_llm_on_shutdown=True)

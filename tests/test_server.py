@@ -181,7 +181,6 @@ def test_openai_client_completions_chat_and_streaming(server):
     assert r.choices[0].text == expected(2, 5) == "ello "
     assert r.choices[0].finish_reason == "length"
     assert r.usage.prompt_tokens == 2 and r.usage.completion_tokens == 5
-    assert r.model_extra is not None or True  # extra fields are allowed by the client
     assert r.choices[0].model_extra["jaxdecode_finish_reason"] == "max_output_tokens"
 
     c = oc.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
