@@ -1,9 +1,12 @@
-"""The `jaxdecode` command: the composition root that wires `jaxdecode`, `models` (and later
-`serving`) together. Only this module of `jaxdecode` imports `models`, inside the subcommands.
+"""The `jaxdecode` command: the composition root that wires `jaxdecode`, `models` and `serving`
+together. Only this module of `jaxdecode` imports `models` / `serving`, inside the subcommands.
 
     jaxdecode generate [--model DIR|demo] [--prompt TEXT | --prompt-file F] [--max-tokens N] ...
         (streams through the engine `jd.LLM`: detokenizer, stop matcher, ordered stream)
     jaxdecode replay FILE [--model DIR|demo]
+    jaxdecode serve [--model DIR|demo] [--host 127.0.0.1] [--port 8000] [--max-slots N] [--max-len N]
+        [--api-key KEY] [--on-disconnect cancel|continue] [--max-queue N]
+        (the OpenAI-compatible HTTP server of `serving/`)
     jaxdecode bench [--model DIR|demo|CONFIG] [--batch N]... [--compare-hf] [--json FILE]
 """
 
@@ -162,6 +165,12 @@ def _bench_model(spec: str, compare_hf: bool, workdir: str):
     return model, params, hf
 
 
+def cmd_serve(args) -> int:
+    from serving import server
+
+    return server.main(args)
+
+
 def cmd_bench(args) -> int:
     import sysconfig
     import tempfile
@@ -235,6 +244,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--model", help="DIR or demo (default: the source named in the record)")
     r.set_defaults(func=cmd_replay)
 
+    s = sub.add_parser("serve", help="the OpenAI-compatible HTTP server (SSE streaming)")
+    _add_serve_arguments(s)
+    s.set_defaults(func=cmd_serve)
+
     b = sub.add_parser("bench", help="decode throughput, side by side with HF PyTorch")
     b.add_argument("--model", default="llama-512",
                    help=f"DIR, 'demo', or a named config: {', '.join(BENCH_CONFIGS)}")
@@ -252,6 +265,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", help="write the report as JSON")
     b.set_defaults(func=cmd_bench)
     return parser
+
+
+def _add_serve_arguments(p) -> None:
+    # the flags live next to the server; importing serving.server is cheap (no FastAPI import)
+    from serving.server import add_arguments
+
+    add_arguments(p)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -608,10 +608,17 @@ class LLM:
                                             self.max_len, self.eos_token_ids)
         fresh = [r for r in batch if r.restored is None]
         restored = [r for r in batch if r.restored is not None]
-        for r, slot in zip(restored, free[len(fresh):]):
-            self._insert_restored(r, slot)
-        if fresh:
-            self._prefill_into(fresh, free[:len(fresh)])
+        try:
+            for r, slot in zip(restored, free[len(fresh):]):
+                self._insert_restored(r, slot)
+            if fresh:
+                self._prefill_into(fresh, free[:len(fresh)])
+        except Exception as exc:  # fail the admitted requests that never reached a slot
+            message = f"{type(exc).__name__}: {exc}"
+            for r in batch:
+                if r.slot is None or self._slots[r.slot] is not r:
+                    self._fail(r, ErrorCode.MODEL_ERROR, message)
+            raise
 
     def _prefill_into(self, batch: list, free: list) -> None:
         """Prefill the admitted requests as one padded batch and scatter them into slots."""
@@ -626,8 +633,9 @@ class LLM:
         for i, (r, slot) in enumerate(zip(batch, free)):
             tokens[i, :len(r.prompt_ids)] = r.prompt_ids
             lengths[i], targets[i], keys[i] = len(r.prompt_ids), slot, r.key_data
-            sampling[i] = dataclasses.replace(
-                r.sampling, max_tokens=min(r.sampling.max_tokens, self.max_len - lengths[i]))
+            sampling[i] = dataclasses.replace(  # a Python int: SamplingParams rejects np.int32
+                r.sampling, max_tokens=min(r.sampling.max_tokens,
+                                           self.max_len - len(r.prompt_ids)))
         rows = RowParams.build(sampling, self.model.config.vocab_size, self.eos_token_ids,
                                keys=keys)
         prefilled = decode.prefill(self.model, self.params, tokens, lengths, rows, self.max_len)

@@ -82,15 +82,18 @@ class Llama:
     # -- the protocol -------------------------------------------------------------------------
 
     def forward(self, params: dict, tokens: Array, positions: Array, cache: KVCache, *,
-                lengths: Array) -> tuple[Array, KVCache]:
+                lengths: Array, kv_len: Optional[int] = None) -> tuple[Array, KVCache]:
+        """The protocol's forward; `kv_len` (static, optional) limits attention to the first
+        kv_len cache positions when the caller knows every row is shorter."""
         write_pos = L.write_positions(positions, lengths, cache.max_len)
-        k_pos = jnp.arange(cache.max_len, dtype=jnp.int32)
+        kv_len = cache.max_len if kv_len is None else min(kv_len, cache.max_len)
+        k_pos = jnp.arange(kv_len, dtype=jnp.int32)
         new_lengths = L.updated_lengths(cache, positions, lengths)
 
         def kv_source(i, k, v):
             nonlocal cache
             cache = L.write_kv(cache, i, k, v, write_pos)
-            return cache.k[i], cache.v[i], k_pos
+            return cache.k[i, :, :, :kv_len], cache.v[i, :, :, :kv_len], k_pos
 
         logits = self._run(params, tokens, positions, kv_source)
         return logits, cache.replace(lengths=new_lengths)

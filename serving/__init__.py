@@ -1,0 +1,24 @@
+"""The OpenAI-compatible HTTP server over one `jd.LLM` (DESIGN.md "serving/").
+
+    from serving import create_app, ServerThread
+    app = create_app(llm, model_name="demo")          # a FastAPI app (serving.app)
+
+Modules: `app` (routes, streaming, disconnect policy), `protocol` (request models, errors,
+finish-reason mapping), `chat` (chat templates), `streams` (SSE event logs and resume),
+`metrics` (Prometheus), `logs` (JSON logs), `server` (`jaxdecode serve`, `ServerThread`).
+Importing this package is cheap: FastAPI is imported when `create_app` is first used.
+"""
+
+__all__ = ["create_app", "ServerThread"]
+
+
+def __getattr__(name):
+    if name == "create_app":
+        from serving.app import create_app
+
+        return create_app
+    if name == "ServerThread":
+        from serving.server import ServerThread
+
+        return ServerThread
+    raise AttributeError(f"module 'serving' has no attribute {name!r}")

@@ -300,3 +300,15 @@ def test_stream_T4_resume_after_seq_from_the_engine(tok):
     assert later[-1].kind == "completed"
     full = [e for e in c.events if e.seq is not None]
     assert [(e.seq, e.kind) for e in full if e.seq > 3] == [(e.seq, e.kind) for e in later]
+
+
+def test_engine_max_tokens_past_max_len_is_clamped_not_a_failure(tok):
+    """max_tokens larger than the room left in max_len is clamped to it (it once reached
+    SamplingParams as np.int32, failed the prefill and orphaned the admitted batch)."""
+    a = byte_id(tok, "a")
+    with engine([a] * 64, tok, max_len=32) as llm:
+        c = llm.submit([7, 8], greedy(1000)).result(timeout=30)
+        assert llm.error is None
+    assert c.error is None and c.finish_reason in (jd.FinishReason.MAX_OUTPUT_TOKENS,
+                                                   jd.FinishReason.CONTEXT_LIMIT)
+    assert c.usage.selected_tokens == 30 and c.text == "a" * 30

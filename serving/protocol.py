@@ -1,0 +1,281 @@
+"""OpenAI wire protocol: request models, the error body, and the mapping onto `SamplingParams`.
+
+Requests are parsed with pydantic in strict mode (a JSON number is accepted for a float field,
+but a string is not a number and `true` is not an integer); unknown fields are ignored, like
+vLLM. Every problem becomes `ApiError`, rendered as the OpenAI error body
+
+    {"error": {"message": ..., "type": "invalid_request_error", "param": ..., "code": ...}}
+
+with HTTP 400 (never FastAPI's 422). `param` names the OpenAI field: engine and
+`SamplingParams` messages start with their own field name, which `PARAM_NAMES` maps back
+(`include_stop_in_output` -> `include_stop_str_in_output`, `prompt` -> `messages` for chat,
+`max_tokens` -> `max_completion_tokens` when the request used that name).
+
+Finish reasons (`finish_reason` is OpenAI's value; `jaxdecode_finish_reason` carries the exact
+SPEC §9 reason):
+
+    eos, stop_sequence, grammar_complete        -> "stop"
+    max_output_tokens, context_limit            -> "length"
+    deadline_exceeded                           -> "length"  (a budget ran out, like length)
+    content_interrupted                         -> "content_filter"
+    cancelled, transport_error                  -> "abort"   (vLLM's value; not in OpenAI's enum)
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from jaxdecode.config import SamplingParams
+from jaxdecode.types import FinishReason
+
+OPENAI_FINISH = {
+    FinishReason.EOS: "stop",
+    FinishReason.STOP_SEQUENCE: "stop",
+    FinishReason.GRAMMAR_COMPLETE: "stop",
+    FinishReason.MAX_OUTPUT_TOKENS: "length",
+    FinishReason.CONTEXT_LIMIT: "length",
+    FinishReason.DEADLINE_EXCEEDED: "length",
+    FinishReason.CONTENT_INTERRUPTED: "content_filter",
+    FinishReason.CANCELLED: "abort",
+    FinishReason.TRANSPORT_ERROR: "abort",
+    FinishReason.MODEL_ERROR: "abort",
+}
+
+MAX_N = 128
+
+
+def openai_finish_reason(reason: Any) -> str:
+    try:
+        return OPENAI_FINISH[FinishReason(reason)]
+    except (ValueError, KeyError):
+        return "stop"
+
+
+class ApiError(Exception):
+    """An HTTP error with the OpenAI error body."""
+
+    def __init__(self, status: int, message: str, *, param: Optional[str] = None,
+                 code: Optional[str] = None, type: str = "invalid_request_error",
+                 headers: Optional[dict] = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type, self.headers = type, dict(headers or {})
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def bad_request(message: str, param: Optional[str] = None, code: str = "invalid_value") -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+# -- request models ------------------------------------------------------------------------------
+
+class _Model(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Model):
+    include_usage: Optional[bool] = None
+
+
+class _Common(_Model):
+    model: Optional[str] = None
+    max_tokens: Optional[int] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    n: Optional[int] = None
+    stop: Optional[Union[str, list[str]]] = None
+    seed: Optional[int] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    logit_bias: Optional[dict[str, float]] = None
+    stream: Optional[bool] = None
+    stream_options: Optional[StreamOptions] = None
+    response_format: Optional[dict[str, Any]] = None
+    user: Optional[str] = None
+    # extensions (vLLM names)
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    min_tokens: Optional[int] = None
+    ignore_eos: Optional[bool] = None
+    include_stop_str_in_output: Optional[bool] = None
+
+
+class CompletionRequest(_Common):
+    prompt: Union[str, list[int], list[str], list[list[int]]]
+    logprobs: Optional[int] = None
+    echo: Optional[bool] = None
+    best_of: Optional[int] = None
+    suffix: Optional[str] = None
+
+
+class ContentPart(_Model):
+    type: str
+    text: Optional[str] = None
+
+
+class ChatMessage(_Model):
+    role: str
+    content: Optional[Union[str, list[ContentPart]]] = None
+    name: Optional[str] = None
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = None
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[int] = None
+    tools: Optional[list[Any]] = None
+    tool_choice: Optional[Any] = None
+
+
+_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _param_from_loc(loc: tuple) -> Optional[str]:
+    """`("messages", 0, "role")` -> "messages[0].role"; stops at pydantic's union type tags."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif isinstance(part, str) and _IDENT.match(part) and part not in _TYPE_TAGS:
+            out += f".{part}" if out else part
+        else:
+            break
+    return out or None
+
+
+def parse_request(model: type, body: bytes):
+    """Parse and validate a JSON body; raises ApiError(400) naming the bad field."""
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False)
+        first = errors[0] if errors else {"loc": (), "msg": str(exc), "type": "invalid"}
+        if first.get("type") == "json_invalid":
+            raise bad_request(f"the request body is not valid JSON: {first.get('msg')}",
+                              code="invalid_json") from None
+        param = _param_from_loc(tuple(first.get("loc", ())))
+        kind = "missing_required_parameter" if first.get("type") == "missing" else "invalid_type"
+        msg = first.get("msg", "invalid value")
+        more = f" ({len(errors) - 1} more error(s))" if len(errors) > 1 else ""
+        raise bad_request(f"{param or 'body'}: {msg}{more}", param, kind) from None
+
+
+# -- mapping onto SamplingParams -----------------------------------------------------------------
+
+# SamplingParams / engine field -> OpenAI request field (where they differ)
+PARAM_NAMES = {"include_stop_in_output": "include_stop_str_in_output"}
+
+
+def param_for(field: str, *, chat: bool, max_tokens_name: str = "max_tokens") -> str:
+    if field == "prompt":
+        return "messages" if chat else "prompt"
+    if field == "max_tokens":
+        return max_tokens_name
+    return PARAM_NAMES.get(field, field)
+
+
+def error_from_value_error(exc: ValueError, *, chat: bool, max_tokens_name: str = "max_tokens",
+                           ) -> ApiError:
+    """An engine / SamplingParams ValueError ("field: message") as a 400 naming the param."""
+    text = str(exc)
+    field, sep, rest = text.partition(":")
+    if not sep or not _IDENT.match(field.strip()):
+        return bad_request(text)
+    field = field.strip()
+    param = param_for(field, chat=chat, max_tokens_name=max_tokens_name)
+    code = "invalid_value"
+    if field == "prompt" and "leave no room" in rest:
+        code = "context_length_exceeded"
+    elif field == "response_format" and "not supported" in rest:
+        code = "unsupported_parameter"
+    return bad_request(f"{param}:{rest}", param, code)
+
+
+def _unsupported(param: str, what: str) -> ApiError:
+    return bad_request(f"{param}: {what}", param, "unsupported_parameter")
+
+
+def check_unsupported(req: _Common, *, chat: bool, max_n: int) -> None:
+    """Fields jaxdecode accepts but cannot honour yet get a 400 instead of a silent no-op."""
+    n = 1 if req.n is None else req.n
+    if not 1 <= n <= max_n:
+        raise bad_request(f"n: must be in [1, {max_n}], got {n}", "n")
+    if chat:
+        if req.logprobs:
+            raise _unsupported("logprobs", "log-probabilities are not returned yet")
+        if req.top_logprobs:
+            raise _unsupported("top_logprobs", "log-probabilities are not returned yet")
+        if req.tools:
+            raise _unsupported("tools", "tool calling is not supported")
+        if req.tool_choice not in (None, "none"):
+            raise _unsupported("tool_choice", "tool calling is not supported")
+    else:
+        if req.logprobs:
+            raise _unsupported("logprobs", "log-probabilities are not returned yet")
+        if req.echo:
+            raise _unsupported("echo", "echoing the prompt is not supported")
+        if req.best_of is not None and req.best_of != n:
+            raise _unsupported("best_of", "best_of is not supported (use n)")
+        if req.suffix:
+            raise _unsupported("suffix", "suffix (insertion) is not supported")
+
+
+def max_tokens_field(req: _Common, chat: bool) -> tuple[Optional[int], str]:
+    if chat and getattr(req, "max_completion_tokens", None) is not None:
+        return req.max_completion_tokens, "max_completion_tokens"
+    return req.max_tokens, "max_tokens"
+
+
+def sampling_params(req: _Common, *, chat: bool, stream: bool, default_max_tokens: int
+                    ) -> SamplingParams:
+    """The request's SamplingParams (n=1: the server submits one engine request per choice).
+
+    Defaults follow OpenAI: temperature 1, top_p 1, max_tokens 16 for completions and the
+    remaining context for chat (the engine clamps max_tokens to max_len - prompt length).
+    `top_k: -1` means disabled (vLLM's convention) like 0. Text is decoded with
+    `utf8_errors="replace"` (U+FFFD, as vLLM), so a model's invalid bytes never fail a request.
+    """
+    max_tokens, mt_name = max_tokens_field(req, chat)
+    top_k = req.top_k
+    if top_k == -1:
+        top_k = 0
+    kwargs: dict[str, Any] = dict(
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=0 if top_k is None else top_k,
+        min_p=0.0 if req.min_p is None else req.min_p,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        presence_penalty=0.0 if req.presence_penalty is None else req.presence_penalty,
+        frequency_penalty=0.0 if req.frequency_penalty is None else req.frequency_penalty,
+        logit_bias=dict(req.logit_bias or {}),
+        max_tokens=default_max_tokens if max_tokens is None else max_tokens,
+        min_tokens=0 if req.min_tokens is None else req.min_tokens,
+        stop=req.stop if req.stop is not None else (),
+        include_stop_in_output=bool(req.include_stop_str_in_output),
+        ignore_eos=bool(req.ignore_eos),
+        seed=req.seed,
+        n=1,
+        utf8_errors="replace",
+        output_kind="delta" if stream else "final_only",
+        response_format=req.response_format,
+    )
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as exc:
+        raise error_from_value_error(exc, chat=chat, max_tokens_name=mt_name) from None
+
+
+def choice_seed(seed: Optional[int], index: int) -> Optional[int]:
+    """Choice i of a request with `seed` samples with seed + i (mod 2**63); None stays random."""
+    if seed is None:
+        return None
+    return (seed + index) % (1 << 63)

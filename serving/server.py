@@ -1,0 +1,137 @@
+"""Running the app: `jaxdecode serve` (`main(args)`), and `ServerThread` for tests and notebooks.
+
+    jaxdecode serve --model DIR|demo --host 127.0.0.1 --port 8000 --max-slots N --max-len N
+                    [--api-key KEY] [--on-disconnect cancel|continue] [--max-queue N]
+                    [--model-name NAME] [--log-prompts] [--max-body-bytes N] [--warmup]
+
+The server binds 127.0.0.1 unless told otherwise; the api key may also come from the
+JAXDECODE_API_KEY environment variable. Logs are JSON lines on stderr (`serving.logs`).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from typing import Any, Optional
+
+
+def serve_app(app: Any, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
+              access_log: bool = True) -> None:
+    """Run `app` with uvicorn in this thread until interrupted (logging left to the caller)."""
+    import uvicorn
+
+    uvicorn.run(app, host=host, port=port, log_config=None, log_level=log_level,
+                access_log=access_log, timeout_graceful_shutdown=5)
+
+
+class ServerThread:
+    """uvicorn serving `app` on a loopback socket in a daemon thread.
+
+        with ServerThread(app) as srv:
+            httpx.get(srv.url + "/health")
+    """
+
+    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0,
+                 log_level: str = "warning"):
+        import uvicorn
+
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, port))
+        self.host, self.port = self.sock.getsockname()[:2]
+        config = uvicorn.Config(app, log_config=None, log_level=log_level, access_log=False,
+                                timeout_graceful_shutdown=2, lifespan="on")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       name="jaxdecode-http", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> "ServerThread":
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the HTTP server did not start")
+            time.sleep(0.01)
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout)
+        self.sock.close()
+
+    def __enter__(self) -> "ServerThread":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def main(args: Any) -> int:
+    """`jaxdecode serve`: load the model, build the engine and the app, serve until Ctrl-C."""
+    from jaxdecode.cli import load_model
+    from jaxdecode.engine import LLM
+    from serving.app import create_app
+    from serving.logs import configure_logging, log_event
+
+    configure_logging(args.log_level)
+    model, params, tokenizer = load_model(args.model)
+    if tokenizer is None:
+        raise SystemExit(f"--model: {args.model!r} has no tokenizer files; the server needs one")
+    max_len = args.max_len or min(model.config.max_len, 4096)
+    api_key: Optional[str] = args.api_key or os.environ.get("JAXDECODE_API_KEY") or None
+    try:
+        llm = LLM(model, params, tokenizer, max_slots=args.max_slots, max_len=max_len,
+                  max_queue=args.max_queue)
+    except ValueError as e:
+        raise SystemExit(f"--{str(e).split(':')[0].replace('_', '-')}: {e}")
+    name = args.model_name or (args.model if args.model == "demo"
+                               else os.path.basename(os.path.normpath(args.model)))
+    if args.warmup:
+        t0 = time.perf_counter()
+        compiled = llm.warmup()
+        log_event("engine.warmup", compilations=compiled,
+                  seconds=round(time.perf_counter() - t0, 3))
+    app = create_app(llm, model_name=name, api_key=api_key, on_disconnect=args.on_disconnect,
+                     max_body_bytes=args.max_body_bytes, log_prompts=args.log_prompts,
+                     close_llm_on_shutdown=True)
+    log_event("server.start", model=name, host=args.host, port=args.port,
+              max_slots=args.max_slots, max_len=max_len, max_queue=args.max_queue,
+              auth=api_key is not None, on_disconnect=args.on_disconnect)
+    try:
+        serve_app(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        llm.close()
+    return 0
+
+
+def add_arguments(p: Any) -> None:
+    """The `serve` subcommand's flags (called by jaxdecode.cli)."""
+    p.add_argument("--model", default="demo", help="a local HF checkpoint directory, or 'demo'")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-slots", type=int, default=8, help="concurrent sequences in the batch")
+    p.add_argument("--max-len", type=int, default=None,
+                   help="tokens per sequence, prompt + output (default: the model's, <= 4096)")
+    p.add_argument("--max-queue", type=int, default=1024,
+                   help="admission queue bound; a full queue answers 429")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' (also $JAXDECODE_API_KEY); "
+                        "/health stays open")
+    p.add_argument("--on-disconnect", choices=("cancel", "continue"), default="cancel",
+                   help="what a client disconnect does to its request (default: cancel)")
+    p.add_argument("--model-name", default=None,
+                   help="the name clients use in 'model' (default: 'demo' or the directory name)")
+    p.add_argument("--max-body-bytes", type=int, default=4 << 20,
+                   help="request body limit (413 above it)")
+    p.add_argument("--log-prompts", action="store_true",
+                   help="include prompts and outputs in the logs (off by default)")
+    p.add_argument("--warmup", action="store_true",
+                   help="compile every engine shape before accepting requests")
+    p.add_argument("--log-level", default="info",
+                   choices=("debug", "info", "warning", "error"))
