@@ -11,8 +11,9 @@ Requests: see `serving.protocol` for the fields, defaults, the OpenAI error body
 reason mapping; `serving.chat` for chat templates. A request with ``n`` > 1 is submitted as n
 engine requests (ids ``<id>-<i>``), choice i sampling with ``seed + i`` when a seed is given.
 ``logprobs`` / ``top_logprobs`` (and ``echo``, ``best_of`` != n, ``suffix``, ``tools``) get a 400
-"not supported" instead of a silent null; ``response_format`` goes to the engine, whose
-ValueError("response_format: ...") becomes a 400 naming ``response_format``.
+"not supported" instead of a silent null; ``response_format`` goes to the engine, which
+enforces it inside the decode step; a constraint it cannot compile raises
+ValueError("response_format: ...") and becomes a 400 naming ``response_format``.
 
 Status codes: 400 bad input (pydantic errors too, never 422); 401 bad or missing key; 404 an
 unknown model / route / stream; 413 a body over `max_body_bytes`; 429 with ``Retry-After`` when

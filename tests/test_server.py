@@ -363,8 +363,8 @@ BAD = [
     ("/v1/completions", {"prompt": "Hi", "max_tokens": 5, "min_tokens": 9}, "min_tokens"),
     ("/v1/completions", {"prompt": "Hi", "include_stop_str_in_output": "yes"},
      "include_stop_str_in_output"),
-    ("/v1/completions", {"prompt": "Hi", "response_format": {"type": "json_object"}},
-     "response_format"),
+    ("/v1/completions", {"prompt": "Hi", "response_format": {
+        "type": "json_schema", "json_schema": {"schema": 3}}}, "response_format"),
     ("/v1/completions", {"prompt": "Hi", "response_format": {"type": "nope"}}, "response_format"),
     ("/v1/completions", {"prompt": "Hi", "logprobs": 2}, "logprobs"),
     ("/v1/completions", {"prompt": "Hi", "echo": True}, "echo"),
