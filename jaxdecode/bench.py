@@ -394,3 +394,112 @@ def format_constraints_table(report: dict) -> str:
                         if k.endswith("_grammar_ops_ms"))
         lines.append(f"batch {row['batch']}: grammar mask + next state alone: {ops}")
     return "\n".join(lines)
+
+
+# -- time to first token (issue #8) -------------------------------------------------------------
+
+def ttft(model, params, lengths: Sequence[int], hf_model=None, hf_threads: Optional[int] = None,
+         repeats: int = 3) -> list[dict]:
+    """Seconds from a prompt of each length to its first token: prefill + one selection (batch 1,
+    greedy), jaxdecode's on-device loop and, when given, HF `generate(max_new_tokens=1)`."""
+    rows = []
+    sp = SamplingParams(temperature=0.0, max_tokens=1)
+    for n in lengths:
+        if n >= model.config.max_len:
+            continue
+        ids = prompts(1, n, model.config.vocab_size, n)
+        first = lambda: generate(model, params, ids, sp).token_ids  # noqa: E731
+        first()
+        row = {"prompt_len": n, "jaxdecode_s": _median_time(first, repeats)}
+        if hf_model is not None:
+            import torch
+
+            torch.set_num_threads(hf_threads or os.cpu_count())
+            tokens = torch.tensor(ids)
+
+            def hf_first():
+                with torch.inference_mode():
+                    hf_model.generate(tokens, attention_mask=torch.ones_like(tokens),
+                                      max_new_tokens=1, do_sample=False, pad_token_id=0)
+
+            hf_first()
+            row["hf_s"] = _median_time(hf_first, repeats)
+        rows.append(row)
+    return rows
+
+
+# -- the report: JSON + PNG plots + a markdown table (issue #8) --------------------------------
+
+def write_report(report: dict, out_dir: str) -> list[str]:
+    """Write report.json, report.md and PNG plots into `out_dir`; returns the paths written."""
+    import json
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(out_dir, exist_ok=True)
+    written = []
+    path = os.path.join(out_dir, "report.json")
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2, default=str)
+    written.append(path)
+
+    rows = report["rows"]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    batches = [r["batch"] for r in rows]
+    ax.plot(batches, [r["jaxdecode"]["tokens_per_s"] for r in rows], "o-", label="jaxdecode")
+    if all("hf" in r for r in rows):
+        ax.plot(batches, [r["hf"]["tokens_per_s"] for r in rows], "s--", label="HF PyTorch")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch")
+    ax.set_ylabel("decode tokens/s")
+    ax.set_title(f"decode throughput ({report['machine']['backend']})")
+    ax.legend()
+    fig.tight_layout()
+    written.append(os.path.join(out_dir, "throughput.png"))
+    fig.savefig(written[-1], dpi=110)
+    plt.close(fig)
+
+    if report.get("ttft"):
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        t = report["ttft"]
+        ax.plot([r["prompt_len"] for r in t], [r["jaxdecode_s"] * 1e3 for r in t], "o-",
+                label="jaxdecode")
+        if all("hf_s" in r for r in t):
+            ax.plot([r["prompt_len"] for r in t], [r["hf_s"] * 1e3 for r in t], "s--",
+                    label="HF PyTorch")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("prompt tokens")
+        ax.set_ylabel("time to first token (ms)")
+        ax.legend()
+        fig.tight_layout()
+        written.append(os.path.join(out_dir, "ttft.png"))
+        fig.savefig(written[-1], dpi=110)
+        plt.close(fig)
+
+    md = ["# jaxdecode performance report", "",
+          f"Produced by `jaxdecode bench --report` on {report['machine']['cpu']} "
+          f"({report['machine']['cores']} cores), backend `{report['machine']['backend']}` "
+          f"({report['machine']['device']}), jax {report['machine']['jax']}. Every figure "
+          "comes from this one run; ratios compare measurements taken side by side.", "",
+          "## Decode throughput", "", format_table(report), ""]
+    if report.get("ttft"):
+        md += ["## Time to first token (batch 1)", "", "| prompt | jaxdecode ms | HF ms |",
+               "|---:|---:|---:|"]
+        md += [f"| {r['prompt_len']} | {r['jaxdecode_s'] * 1e3:.1f} | "
+               f"{r['hf_s'] * 1e3:.1f} |" if "hf_s" in r else
+               f"| {r['prompt_len']} | {r['jaxdecode_s'] * 1e3:.1f} | - |" for r in report["ttft"]]
+        md.append("")
+    for key, title in (("host_cost", "Host pipeline cost per token"),
+                       ("engine", "Engine with streaming vs the raw jitted loop"),
+                       ("compiles", "Compilations")):
+        if report.get(key) is not None:
+            md += [f"## {title}", "", "```", json.dumps(report[key], indent=2, default=str), "```",
+                   ""]
+    md += ["![throughput](throughput.png)"] + (["![ttft](ttft.png)"] if report.get("ttft") else [])
+    path = os.path.join(out_dir, "report.md")
+    with open(path, "w") as f:
+        f.write("\n".join(md) + "\n")
+    written.append(path)
+    return written
