@@ -1,5 +1,6 @@
 """jaxdecode: a JAX/XLA LLM decoder. Pure jitted device core; the host loop owns text and time."""
 
+from jaxdecode.beam import beam_search
 from jaxdecode.config import SamplingParams
 from jaxdecode.consistency import assert_incremental_consistency
 from jaxdecode.decode import GenerateOutput, compilation_count, generate
@@ -12,5 +13,6 @@ from jaxdecode.types import (DecodingError, ErrorCode, Event, FinishReason, Requ
 __all__ = [
     "DecoderModel", "DecodingError", "ErrorCode", "Event", "FinishReason", "GenerateOutput",
     "KVCache", "ModelConfig", "PROCESSOR_ORDER", "RequestState", "SamplingParams", "StepState",
-    "Usage", "assert_incremental_consistency", "compilation_count", "generate", "process_logits",
+    "Usage", "assert_incremental_consistency", "beam_search", "compilation_count", "generate",
+    "process_logits",
 ]
