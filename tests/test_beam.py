@@ -20,9 +20,9 @@ transformers = pytest.importorskip("transformers")
 
 PROMPTS = ["the quick brown fox", "hello world this is a test"]
 
-# (num_beams, length_penalty, early_stopping, max_new_tokens, num_return_sequences)
+# (num_beams, length_penalty, early_stopping, max_new_tokens, num_return_sequences[, min_new])
 CONFIGS = {
-    "llama": [(3, 1.0, False, 7, 2), (4, 2.0, True, 6, 4)],
+    "llama": [(3, 1.0, False, 7, 2), (4, 2.0, True, 6, 4, 3)],
     "llama3": [(2, 0.5, "never", 6, 2), (4, 1.0, False, 5, 1)],
     "mistral": [(3, -0.5, False, 7, 3), (2, 1.0, True, 6, 2)],
     "qwen2": [(4, 1.5, "never", 6, 2), (3, 0.0, False, 6, 1)],
@@ -56,12 +56,13 @@ def _family(tiny_path):
     return model, params, prompts, eos
 
 
-def hf_beams(path, prompt, eos, num_beams, lp, es, n, nrs):
+def hf_beams(path, prompt, eos, num_beams, lp, es, n, nrs, min_new=0):
     hf = _hf_model(str(path))
     with torch.no_grad():
         out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt),
                                                                              dtype=torch.long),
                           do_sample=False, num_beams=num_beams, length_penalty=lp,
+                          min_new_tokens=min_new,
                           early_stopping=es, max_new_tokens=n, num_return_sequences=nrs,
                           eos_token_id=list(eos), pad_token_id=0, return_dict_in_generate=True,
                           output_scores=True)
@@ -75,12 +76,14 @@ def test_beam_search_matches_hf(tiny_hf_checkpoint, name):
     path = tiny_hf_checkpoint(name)
     model, params, prompts, eos = _family(str(path))
     finished_early = 0
-    for num_beams, lp, es, n, nrs in CONFIGS[name]:
+    for num_beams, lp, es, n, nrs, *min_new in CONFIGS[name]:
+        min_new = min_new[0] if min_new else 0
         out = jd.beam_search(model, params, prompts, num_beams=num_beams, length_penalty=lp,
                              early_stopping=es, max_new_tokens=n, num_return_sequences=nrs,
-                             eos_token_ids=eos)
+                             eos_token_ids=eos, min_new_tokens=min_new)
         for r, prompt in enumerate(prompts):
-            seqs, scores = hf_beams(path, prompt, eos, num_beams, lp, es, n, nrs)
+            seqs, scores = hf_beams(path, prompt, eos, num_beams, lp, es, n, nrs, min_new)
+            assert all(len(s) > min_new for s in seqs)
             where = f"{name} beams={num_beams} lp={lp} es={es} prompt {r}"
             assert out.tokens(r) == seqs[0], where
             assert [t for t, _ in out.beams[r]] == seqs, where
@@ -183,3 +186,14 @@ def test_beam_search_bad_arguments_name_the_field():
         jd.beam_search(model, {}, [[0]], num_beams=2, max_new_tokens=2, num_return_sequences=3)
     with pytest.raises(ValueError, match="^early_stopping"):
         jd.beam_search(model, {}, [[0]], num_beams=2, max_new_tokens=2, early_stopping="yes")
+
+
+def test_beam_search_no_recompile_for_new_requests_in_seen_bucket():
+    model = bigram({0: {1: 0.5, 2: 0.4, 0: 0.1}, 1: {3: 0.3, 1: 0.35, 2: 0.35},
+                    2: {3: 0.9, 1: 0.05, 2: 0.05}})
+    jd.beam_search(model, {}, [[0], [1, 2]], num_beams=[2, 3], max_new_tokens=5)
+    before = jd.compilation_count()
+    for i in range(3):
+        jd.beam_search(model, {}, [[2, 1], [0]], num_beams=[3, 1 + i], max_new_tokens=3 + i,
+                       length_penalty=0.5 * i, min_new_tokens=i)
+    assert jd.compilation_count() == before
