@@ -216,3 +216,16 @@ def test_speculative_X1_seeded_row_same_alone_and_in_batch():
     b = run([[4], [6, 6, 6], [1, 2]], [jd.SamplingParams(seed=3, top_k=2),
                                        jd.SamplingParams(seed=4, max_tokens=3), sp])
     assert a.tokens(0) == b.tokens(2) and len(a.tokens(0)) == 12
+
+
+def test_speculative_no_recompile_for_new_requests_in_seen_bucket():
+    tm, dm = Bigram.random(0), Bigram.random(1)
+    run = lambda prompts, rows: jd.speculative_generate(tm, {}, dm, {}, prompts, rows, k=2)  # noqa: E731
+    run([[1, 2], [3]], [jd.SamplingParams(seed=0, max_tokens=6), greedy(4)])
+    before = jd.compilation_count()
+    for i in range(3):
+        run([[4, 5, 6], [7] * (i + 1)],
+            [jd.SamplingParams(seed=i, temperature=0.5 + i, top_k=i, max_tokens=3 + i,
+                               repetition_penalty=1.1 + i),
+             greedy(5, stop_token_ids=(i + 2,), min_tokens=i)])
+    assert jd.compilation_count() == before
