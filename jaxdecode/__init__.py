@@ -4,15 +4,17 @@ from jaxdecode.beam import beam_search
 from jaxdecode.config import SamplingParams
 from jaxdecode.consistency import assert_incremental_consistency
 from jaxdecode.decode import GenerateOutput, compilation_count, generate
+from jaxdecode.engine import LLM, EngineClosed, QueueFull, RequestHandle
 from jaxdecode.model_api import DecoderModel, KVCache, ModelConfig
 from jaxdecode.processors import PROCESSOR_ORDER, process_logits
 from jaxdecode.speculative import SpeculativeOutput, speculative_generate
 from jaxdecode.state import StepState
-from jaxdecode.types import (DecodingError, ErrorCode, Event, FinishReason, RequestState,
-                             Usage)
+from jaxdecode.types import (Completion, DecodingError, ErrorCode, Event, FinishReason,
+                             RequestState, Usage)
 
 __all__ = [
-    "DecoderModel", "DecodingError", "ErrorCode", "Event", "FinishReason", "GenerateOutput",
+    "Completion", "DecoderModel", "DecodingError", "EngineClosed", "LLM", "QueueFull",
+    "RequestHandle", "ErrorCode", "Event", "FinishReason", "GenerateOutput",
     "KVCache", "ModelConfig", "PROCESSOR_ORDER", "RequestState", "SamplingParams",
     "SpeculativeOutput", "StepState", "Usage", "assert_incremental_consistency", "beam_search",
     "compilation_count", "generate", "process_logits", "speculative_generate",

@@ -247,4 +247,235 @@ def format_search(beam: Optional[dict] = None, spec: Optional[dict] = None) -> s
             lines.append(f"| {name} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | "
                          f"{r['mean_accepted_length']:.2f} | {r['acceptance_rate']:.2f} | "
                          f"{r['same_tokens_as_plain']} |")
+
+
+# -- host pipeline cost (issue #3) --------------------------------------------------------------
+
+def _stop_strings(n: int) -> list[str]:
+    """n stop strings that never occur in source text: the matcher scans the whole stream."""
+    return [f"<<STOP{i}>>\u2063" for i in range(n)]
+
+
+def host_cost(tokenizer, token_ids: Sequence[int], stops_counts: Sequence[int] = (1, 4, 16),
+              repeats: int = 5) -> list[dict]:
+    """Median µs per token of detokenize + stop match + stream emit, side by side with HF
+    `tokenizers.decoders.DecodeStream` plus a fixed `max_len - 1` hold-back check."""
+    from tokenizers.decoders import DecodeStream
+
+    from jaxdecode.host import OrderedStream, TextPipeline
+
+    backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
+    rows = []
+    for n in stops_counts:
+        stops = _stop_strings(n)
+
+        def ours():
+            pipe = TextPipeline(tokenizer, stop=stops)
+            stream = OrderedStream("bench", max_buffered=len(token_ids) + 8)
+            stream.start()
+            for tid in token_ids:
+                text = pipe.push(tid).text
+                if text:
+                    stream.emit(text)
+            stream.emit(pipe.finish("max_output_tokens").text)
+
+        hold = max(len(s) for s in stops) - 1
+
+        def reference():
+            ds = DecodeStream(skip_special_tokens=True)
+            buffer, sent = "", []
+            for tid in token_ids:
+                piece = ds.step(backend, tid)
+                if piece:
+                    buffer += piece
+                    if any(s in buffer for s in stops):
+                        break
+                    if len(buffer) > hold:
+                        sent.append(buffer[:-hold])
+                        buffer = buffer[-hold:]
+            sent.append(buffer)
+
+        per_token = lambda fn: statistics.median(  # noqa: E731
+            _median_time(fn, 1) for _ in range(repeats)) / len(token_ids) * 1e6
+        ours_us, ref_us = per_token(ours), per_token(reference)
+        rows.append({"stops": n, "jaxdecode_us_per_token": ours_us,
+                     "hf_decodestream_us_per_token": ref_us, "ratio": ref_us / ours_us})
+    return rows
+
+
+# -- engine with streaming vs the raw jitted loop (issue #3) ------------------------------------
+
+def engine_vs_raw(model, params, tokenizer, batch: int, new_tokens: int, prompt_len: int = 16,
+                  repeats: int = 3, seed: int = 0) -> dict:
+    """Tokens/s of `LLM` with every request streamed (deltas read by a consumer thread each)
+    against `generate` on the same model, batch and greedy settings."""
+    import threading
+
+    from jaxdecode.engine import LLM
+
+    ids = prompts(batch, prompt_len, model.config.vocab_size, seed)
+    sp = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True,
+                        utf8_errors="replace")
+    raw = lambda: generate(model, params, ids, sp).token_ids  # noqa: E731
+    raw()
+    raw_s = _median_time(raw, repeats)
+    max_len = min(model.config.max_len, 1 << (prompt_len + new_tokens).bit_length())
+    with LLM(model, params, tokenizer, max_slots=batch, max_len=max_len) as llm:
+        llm.warmup(prompt_len)
+
+        def streamed():
+            handles = [llm.submit(p, sp) for p in ids]
+            readers = [threading.Thread(target=lambda h=h: sum(1 for _ in h.events()))
+                       for h in handles]
+            for t in readers:
+                t.start()
+            for t in readers:
+                t.join()
+            assert all(h.result().usage.selected_tokens == new_tokens for h in handles)
+
+        streamed()
+        engine_s = _median_time(streamed, repeats)
+    tokens = batch * new_tokens
+    return {"batch": batch, "raw_tokens_per_s": tokens / raw_s,
+            "engine_tokens_per_s": tokens / engine_s, "fraction": raw_s / engine_s}
+
+
+# -- constraints (jaxdecode/constraints) -------------------------------------------------------
+
+CONSTRAINT_SCHEMAS = {
+    # the three schemas of tests/test_constraints.py, and the generic json_object
+    "flat": {"type": "json_schema", "json_schema": {"schema": {
+        "type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                         "age": {"type": "integer", "maxDigits": 3},
+                                         "ok": {"type": "boolean"}},
+        "required": ["name", "age", "ok"]}}},
+    "enum": {"type": "json_schema", "json_schema": {"schema": {
+        "enum": ["red", "green", "blue", 42, None]}}},
+    "nested": {"type": "json_schema", "json_schema": {"schema": {
+        "type": "object", "properties": {
+            "id": {"type": "integer", "maxDigits": 4},
+            "tags": {"type": "array", "items": {"type": "integer", "maxDigits": 3}, "maxItems": 4},
+            "meta": {"type": "object", "properties": {"k": {"type": "string", "maxLength": 5}},
+                     "required": ["k"]}},
+        "required": ["id", "tags", "meta"]}}},
+    "json_object": {"type": "json_object"},
+}
+
+
+def time_constraints(model, params, tokenizer, batches: Sequence[int] = (1, 16), steps: int = 32,
+                     repeats: int = 5, prompt: str = "config = ",
+                     step_modes: Sequence[str] = ("flat", "json_object")) -> dict:
+    """Decode-step time with a constraint on every row vs none, and index compile times.
+
+    compile: per schema, a cold outlines-core compile (private cache) -> states, edges, seconds,
+    plus the device table build (bucketed sizes, dense or CSR lookup).
+    steps: per batch size, the median time of one `decode_step_jit` over `steps` chained steps,
+    for "none" and for each of `step_modes` (every row constrained), measured round-robin in the
+    same process so that machine load hits every mode alike. Rows that end early keep paying
+    the full step (the step is computed for every row), so the figures compare like with like.
+    """
+    from jaxdecode import constraints
+    from jaxdecode.decode import decode_step_jit, prepare
+    from jaxdecode.tokenization import encode
+
+    cfg = model.config
+    eos = tuple(cfg.eos_token_ids)
+    vocab = constraints.vocab_for(tokenizer, cfg.vocab_size, exclude_ids=eos)
+    cache = constraints.IndexCache()
+    report: dict = {"machine": machine(), "steps": steps, "repeats": repeats, "compile": {},
+                    "rows": []}
+    for name, rf in CONSTRAINT_SCHEMAS.items():
+        t0 = time.perf_counter()
+        regex = constraints.regex_for(constraints.validate_response_format(rf))
+        t1 = time.perf_counter()
+        compiled = constraints.compile_regex(regex, vocab, cache)
+        t2 = time.perf_counter()
+        bundle = constraints.tables._build([compiled], cfg.vocab_size,
+                                           constraints.tables.DENSE_MAX_ENTRIES)
+        jax.block_until_ready(bundle.tables)
+        t3 = time.perf_counter()
+        report["compile"][name] = {
+            "schema_to_regex_ms": (t1 - t0) * 1e3, "index_compile_s": compiled.compile_seconds,
+            "compile_total_s": t2 - t1, "table_build_ms": (t3 - t2) * 1e3,
+            "states": compiled.num_states, "edges": compiled.num_edges,
+            "table_states": int(bundle.tables.num_states),
+            "lookup": "dense" if bundle.tables.dense else "csr",
+            "device_bytes": int(sum(x.nbytes for x in jax.tree.leaves(bundle.tables)))}
+
+    ids = encode(tokenizer, prompt)
+    modes = ("none",) + tuple(step_modes) + ("idle",)
+    for batch in batches:
+        states = {}
+        for mode in modes:
+            rf = (None if mode == "none" else
+                  CONSTRAINT_SCHEMAS[step_modes[0] if mode == "idle" else mode])
+            sp = [SamplingParams(seed=r, max_tokens=steps, response_format=rf)
+                  for r in range(batch)]
+            states[mode] = prepare(model, params, [ids] * batch, sp, steps, None,
+                                   tokenizer=tokenizer)[0]
+        # "idle": the tables are on the device but no row is constrained (e.g. an engine whose
+        # constrained slots are free): the lax.cond skips the grammar work
+        states["idle"] = states["idle"].replace(
+            grammar_state=jnp.full((batch,), -1, jnp.int32))
+
+        def chain(state) -> float:  # seconds per step (the state copy is not timed)
+            state = jax.block_until_ready(jax.tree.map(jnp.copy, state))
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                state, out = decode_step_jit(model, params, state, 0)
+            jax.block_until_ready(out.token)
+            return (time.perf_counter() - t0) / steps
+
+        c0 = compilation_count()
+        for mode in modes:  # warm-up (compiles)
+            chain(states[mode])
+        c1 = compilation_count()
+        times: dict = {m: [] for m in modes}
+        for _ in range(repeats):
+            for mode in modes:
+                times[mode].append(chain(states[mode]))
+        row = {"batch": batch, "compiles_warmup": c1 - c0,
+               "compiles_after_warmup": compilation_count() - c1}
+        for mode in modes:
+            row[f"{mode}_step_ms"] = statistics.median(times[mode]) * 1e3
+            row[f"{mode}_step_ms_min"] = min(times[mode]) * 1e3  # least disturbed by load
+        for mode in modes[1:]:
+            row[f"{mode}_overhead"] = row[f"{mode}_step_ms"] / row["none_step_ms"] - 1
+            # the grammar work alone (mask + next state), jitted, on this batch's tables/states
+            st = states[mode]
+            logits = jax.random.normal(jax.random.key(0), (batch, cfg.vocab_size), jnp.float32)
+            tok = jnp.zeros((batch,), jnp.int32)
+            ops = jax.jit(lambda x, g, s, e, t: (constraints.mask_logits(x, g, s, e),
+                                                 constraints.next_state(g, s, t)))
+            args = (logits, st.grammar, st.grammar_state, st.rows.eos_mask, tok)
+            jax.block_until_ready(ops(*args))
+            row[f"{mode}_grammar_ops_ms"] = _median_time(
+                lambda: jax.block_until_ready(ops(*args)), 50) * 1e3
+        report["rows"].append(row)
+    return report
+
+
+def format_constraints_table(report: dict) -> str:
+    lines = ["| schema | states | edges | lookup | index compile s | table build ms |",
+             "|---|---:|---:|---|---:|---:|"]
+    for name, c in report["compile"].items():
+        lines.append(f"| {name} | {c['states']} | {c['edges']} | {c['lookup']} | "
+                     f"{c['index_compile_s']:.3f} | {c['table_build_ms']:.1f} |")
+    modes = [k[:-len("_step_ms")] for k in report["rows"][0] if k.endswith("_step_ms")]
+    lines += ["", "| batch | " + " | ".join(f"{m} step ms (median / min)" for m in modes) + " |",
+              "|---:|" + "---:|" * len(modes)]
+    for row in report["rows"]:
+        cells = []
+        for m in modes:
+            cell = f"{row[m + '_step_ms']:.2f}"
+            if m != "none":
+                cell += f" ({row[m + '_overhead'] * 100:+.0f}%)"
+            cell += f" / min {row[m + '_step_ms_min']:.2f}"
+            cells.append(cell)
+        lines.append(f"| {row['batch']} | " + " | ".join(cells) + " |")
+    lines.append("")
+    for row in report["rows"]:
+        ops = ", ".join(f"{k[:-len('_grammar_ops_ms')]} {v:.3f} ms" for k, v in row.items()
+                        if k.endswith("_grammar_ops_ms"))
+        lines.append(f"batch {row['batch']}: grammar mask + next state alone: {ops}")
     return "\n".join(lines)

@@ -2,12 +2,14 @@
 `serving`) together. Only this module of `jaxdecode` imports `models`, inside the subcommands.
 
     jaxdecode generate [--model DIR|demo] [--prompt TEXT | --prompt-file F] [--max-tokens N] ...
+        (streams through the engine `jd.LLM`: detokenizer, stop matcher, ordered stream)
     jaxdecode bench [--model DIR|demo|CONFIG] [--batch N]... [--compare-hf] [--json FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -50,13 +52,9 @@ def sampling_from_args(args) -> "SamplingParams":
 
 
 def cmd_generate(args) -> int:
-    import jax
-
-    from jaxdecode import decode
-    from jaxdecode.host import TextPipeline
-    from jaxdecode.state import RUNNING
+    from jaxdecode.decode import bucket
+    from jaxdecode.engine import LLM
     from jaxdecode.tokenization import encode
-    from jaxdecode.types import DecodingError, FinishReason
 
     if args.prompt_file:
         with open(args.prompt_file, encoding="utf-8") as f:
@@ -68,68 +66,38 @@ def cmd_generate(args) -> int:
     sp = sampling_from_args(args)
     model, params, tokenizer = load_model(args.model)
     prompt_ids = encode(tokenizer, prompt)
-    if not prompt_ids:
-        raise SystemExit("--prompt: the prompt encodes to no tokens")
-    key = jax.random.key(int.from_bytes(os.urandom(4), "little")) if sp.seed is None else None
-    t0 = time.perf_counter()
-    try:
-        state, (row,), n = decode.prepare(model, params, [prompt_ids], sp, None, key)
-    except ValueError as e:
-        raise SystemExit(str(e))
-    pipe = TextPipeline(tokenizer, prompt_ids=prompt_ids, stop=sp.stop,
-                        stop_token_sequences=sp.stop_id_sequences, errors=sp.utf8_errors)
+    max_len = min(model.config.max_len, bucket(len(prompt_ids) + sp.max_tokens + 1))
     stream = not (args.no_stream or args.json)
-    pieces: list[str] = []
-    token_ids: list[int] = []
-    reason = FinishReason.MAX_OUTPUT_TOKENS
-    first_token_s = None
-
-    def show(text: str) -> None:
-        pieces.append(text)
-        if stream and text:
-            sys.stdout.write(text)
-            sys.stdout.flush()
-
-    if stream:
-        sys.stdout.write(prompt)
+    t0 = time.perf_counter()
+    first_delta_s = None
     try:
-        for _, out in decode.iterate(model, params, state, n):
-            token, code = int(out.token[0]), int(out.finish[0])
-            first_token_s = first_token_s or time.perf_counter() - t0
-            token_ids.append(token)
-            if code in (decode.EOS, decode.STOP_TOKEN):  # never shown (D6, S8)
-                reason = decode.FINISH_REASONS[code]
-                break
-            if code in (decode.ALL_MASKED, decode.MODEL_ERROR):
-                raise SystemExit(f"generation failed: {decode.ERRORS[code].value}")
-            pushed = pipe.push(token)
-            show(pushed.text)
-            if pushed.hit is not None:
-                break
-            if code != RUNNING:
-                reason = decode.FINISH_REASONS[code]
-                break
-        final = pipe.finish(reason)
-    except DecodingError as e:
-        raise SystemExit(f"generation failed: decoding_error: {e}")
-    show(final.text)
+        with LLM(model, params, tokenizer, max_slots=1, max_len=max_len) as llm:
+            handle = llm.submit(prompt_ids, sp)
+            if stream:
+                sys.stdout.write(prompt)
+                for event in handle.events():
+                    if event.kind == "delta":
+                        first_delta_s = first_delta_s or time.perf_counter() - t0
+                        sys.stdout.write(event.data["text"])
+                        sys.stdout.flush()
+            done = handle.result()
+    except ValueError as e:
+        raise SystemExit(f"--{str(e).split(':')[0].replace('_', '-')}: {e}")
     elapsed = time.perf_counter() - t0
-    text = "".join(pieces)
-    if stream:
-        sys.stdout.write("\n")
     if args.json:
-        print(json.dumps({"text": text, "token_ids": token_ids,
-                          "finish_reason": final.finish_reason.value,
-                          "usage": {"prompt_tokens": len(prompt_ids),
-                                    "selected_tokens": len(token_ids),
-                                    "returned_tokens": pipe.returned_tokens},
+        print(json.dumps({"text": done.text, "token_ids": list(done.token_ids),
+                          "finish_reason": done.finish_reason and done.finish_reason.value,
+                          "error": done.error and done.error.value,
+                          "usage": dataclasses.asdict(done.usage),
                           "seconds": round(elapsed, 3)}, ensure_ascii=False))
     elif not stream:
-        print(text)
+        print(done.text)
     else:
-        print(f"[{final.finish_reason.value}; {len(token_ids)} tokens in {elapsed:.2f}s, "
-              f"first after {first_token_s or 0:.2f}s]", file=sys.stderr)
-    return 0
+        sys.stdout.write("\n")
+        status = done.finish_reason.value if done.finish_reason else f"failed: {done.error.value}"
+        print(f"[{status}; {done.usage.selected_tokens} tokens in {elapsed:.2f}s, "
+              f"first text after {first_delta_s or 0:.2f}s]", file=sys.stderr)
+    return 0 if done.error is None else 1
 
 
 def _bench_model(spec: str, compare_hf: bool, workdir: str):
@@ -170,22 +138,47 @@ def _bench_model(spec: str, compare_hf: bool, workdir: str):
 
 
 def cmd_bench(args) -> int:
+    import sysconfig
     import tempfile
 
     from jaxdecode import bench
 
     cfg = bench.BenchConfig(batches=tuple(args.batch or (1, 16)), prompt_len=args.prompt_len,
                             new_tokens=args.new_tokens, repeats=args.repeats)
+    progress = lambda row: print(json.dumps(row), file=sys.stderr)  # noqa: E731
     with tempfile.TemporaryDirectory() as workdir:
         model, params, hf = _bench_model(args.model, args.compare_hf, workdir)
         report = bench.run(model, params, cfg, hf_model=hf, hf_threads=args.hf_threads,
-                           progress=lambda row: print(json.dumps(row), file=sys.stderr))
+                           progress=progress)
     report["model_spec"] = args.model
-    print(bench.format_table(report))
+    text = [bench.format_table(report)]
+    if args.host_cost or args.engine:
+        # the host pipeline needs a real tokenizer: the demo model's (or the checkpoint's)
+        spec = args.model if os.path.isdir(args.model) else "demo"
+        model, params, tokenizer = load_model(spec)
+        if args.host_cost:
+            with open(os.path.join(sysconfig.get_paths()["stdlib"], "json", "decoder.py"),
+                      encoding="utf-8") as f:
+                ids = tokenizer.encode(f.read()).ids[:2000] if hasattr(
+                    tokenizer, "encode_batch") else tokenizer(f.read())["input_ids"][:2000]
+            report["host_cost"] = bench.host_cost(tokenizer, ids)
+            text.append("host cost per token (detokenize + stop match + stream), "
+                        f"{len(ids)} tokens of json/decoder.py:")
+            text += [f"  {r['stops']:>2} stop strings: jaxdecode {r['jaxdecode_us_per_token']:.2f} us"
+                     f" | HF DecodeStream + fixed hold-back {r['hf_decodestream_us_per_token']:.2f} us"
+                     for r in report["host_cost"]]
+        if args.engine:
+            report["engine"] = [bench.engine_vs_raw(model, params, tokenizer, b, cfg.new_tokens,
+                                                    repeats=max(cfg.repeats, 5))
+                                for b in cfg.batches]
+            text += [f"engine with streaming vs raw loop ({spec}, batch {r['batch']}): "
+                     f"{r['engine_tokens_per_s']:.0f} vs {r['raw_tokens_per_s']:.0f} tok/s = "
+                     f"{r['fraction'] * 100:.0f}%" for r in report["engine"]]
+    print("\n".join(text))
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
+            json.dump(report, f, indent=2, default=str)
     return 0
 
 
@@ -221,6 +214,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--compare-hf", action="store_true",
                    help="time HF PyTorch generate on the same weights in the same run")
     b.add_argument("--hf-threads", type=int, default=None)
+    b.add_argument("--host-cost", action="store_true",
+                   help="also time the host pipeline per token against HF DecodeStream")
+    b.add_argument("--engine", action="store_true",
+                   help="also time the engine with streaming against the raw jitted loop")
     b.add_argument("--json", help="write the report as JSON")
     b.set_defaults(func=cmd_bench)
     return parser

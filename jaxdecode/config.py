@@ -11,6 +11,8 @@ import dataclasses
 import math
 from typing import Any, Optional, Union
 
+from jaxdecode.constraints.formats import validate_response_format
+
 OUTPUT_KINDS = ("delta", "cumulative", "final_only")
 UTF8_ERRORS = ("strict", "replace")
 
@@ -98,8 +100,8 @@ class SamplingParams:
         set_("stop_token_ids", self._normalise_stop_ids(self.stop_token_ids))
         set_("banned_token_ids", self._normalise_ids("banned_token_ids", self.banned_token_ids))
         set_("logit_bias", self._normalise_bias(self.logit_bias))
-        if self.response_format is not None and not isinstance(self.response_format, dict):
-            _fail("response_format", f"must be a dict or None, got {type(self.response_format).__name__}")
+        # shape only (cheap, no tokenizer); compiled at submission (jaxdecode/constraints)
+        set_("response_format", validate_response_format(self.response_format))
 
     @staticmethod
     def _normalise_stop(stop: Any) -> tuple[str, ...]:

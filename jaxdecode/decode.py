@@ -9,13 +9,15 @@ if y_t ends its row (EOS, stop id, max_tokens, context limit, a dead end) it is 
 otherwise it is written at position m + t - 1 (= `cache.lengths`) and z_{t+1} is computed.
 
 Token-level stops are decided here, with zero wasted steps, in this priority (SPEC S9): a model
-error (NaN logits), every token masked, EOS, a stop id, max_tokens, the context limit.
+error (NaN logits), every token masked (on a constrained row: grammar_dead_end), EOS, a stop
+id, grammar completion, max_tokens, the context limit. Constraints: jaxdecode/constraints.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import threading
 from typing import Any, Optional, Sequence
 
@@ -23,11 +25,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdecode import processors, sampling as sampling_lib
+from jaxdecode import constraints, processors, sampling as sampling_lib
 from jaxdecode.config import SamplingParams
 from jaxdecode.model_api import DecoderModel
-from jaxdecode.state import (ALL_MASKED, CONTEXT_LIMIT, EOS, MAX_TOKENS, MODEL_ERROR, RUNNING,
-                             STOP_TOKEN, RowParams, StepOutput, StepState, seed_key_data)
+from jaxdecode.state import (ALL_MASKED, CONTEXT_LIMIT, EOS, GRAMMAR_COMPLETE, GRAMMAR_DEAD_END,
+                             MAX_TOKENS, MODEL_ERROR, RUNNING, STOP_TOKEN, RowParams, StepOutput,
+                             StepState, seed_key_data)
 from jaxdecode.types import ErrorCode, FinishReason
 
 Array = jax.Array
@@ -37,8 +40,12 @@ MIN_BUCKET = 16
 FINISH_REASONS = {EOS: FinishReason.EOS, STOP_TOKEN: FinishReason.STOP_SEQUENCE,
                   MAX_TOKENS: FinishReason.MAX_OUTPUT_TOKENS,
                   CONTEXT_LIMIT: FinishReason.CONTEXT_LIMIT,
-                  ALL_MASKED: FinishReason.MODEL_ERROR, MODEL_ERROR: FinishReason.MODEL_ERROR}
-ERRORS = {ALL_MASKED: ErrorCode.ALL_TOKENS_MASKED, MODEL_ERROR: ErrorCode.MODEL_ERROR}
+                  ALL_MASKED: FinishReason.MODEL_ERROR, MODEL_ERROR: FinishReason.MODEL_ERROR,
+                  GRAMMAR_COMPLETE: FinishReason.GRAMMAR_COMPLETE,
+                  GRAMMAR_DEAD_END: FinishReason.MODEL_ERROR}
+ERRORS = {ALL_MASKED: ErrorCode.ALL_TOKENS_MASKED, MODEL_ERROR: ErrorCode.MODEL_ERROR,
+          GRAMMAR_DEAD_END: ErrorCode.GRAMMAR_DEAD_END}
+FAILED_CODES = (ALL_MASKED, MODEL_ERROR, GRAMMAR_DEAD_END)
 
 
 def bucket(n: int, cap: Optional[int] = None) -> int:
@@ -93,40 +100,66 @@ def prefill(model: DecoderModel, params: Any, tokens: Array, lengths: Array, row
     return StepState(cache=cache, logits=last.astype(jnp.float32),
                      last_token=jnp.full((b,), -1, jnp.int32), step=jnp.zeros((b,), jnp.int32),
                      counts=jnp.zeros((b, vocab), jnp.int32), seen=seen,
-                     done=jnp.zeros((b,), bool), finish=jnp.zeros((b,), jnp.int32), rows=rows)
+                     done=jnp.zeros((b,), bool), paused=jnp.zeros((b,), bool),
+                     finish=jnp.zeros((b,), jnp.int32), rows=rows)
 
 
-def finish_codes(state: StepState, logprobs: Array, token: Array) -> Array:
-    """Device stop decision for y_t (SPEC §5, S9 priority), RUNNING where the row goes on."""
+def finish_codes(state: StepState, logprobs: Array, token: Array,
+                 grammar_next: Optional[Array] = None) -> Array:
+    """Device stop decision for y_t (SPEC §5, S9 priority), RUNNING where the row goes on.
+    `grammar_next`: each row's grammar state after y_t (constraints.next_state), when any."""
     rows = state.rows
     t = state.step + 1
     rowwise = lambda mask: jnp.take_along_axis(mask, token[:, None], axis=-1)[:, 0]  # noqa: E731
+    all_masked = jnp.all(jnp.isneginf(logprobs), axis=-1)
+    grammar = []  # constraints: dead end (SPEC P2) and completion (SPEC §5)
+    if grammar_next is not None:
+        constrained = state.grammar_state >= 0
+        grammar = [(GRAMMAR_DEAD_END, constrained & all_masked),
+                   # a token without an edge can only be EOS (ends above) or a failed step's
+                   (GRAMMAR_DEAD_END, constrained & (grammar_next == constraints.DEAD)),
+                   (GRAMMAR_COMPLETE, constraints.completes(state.grammar, grammar_next))]
     conditions = [
         (MODEL_ERROR, jnp.any(jnp.isnan(state.logits), axis=-1)),
-        (ALL_MASKED, jnp.all(jnp.isneginf(logprobs), axis=-1)),
+        *grammar[:1],
+        (ALL_MASKED, all_masked),
         (EOS, rowwise(rows.eos_mask)),
         (STOP_TOKEN, rowwise(rows.stop_mask)),
+        *grammar[1:],
         (MAX_TOKENS, t >= rows.max_tokens),
         (CONTEXT_LIMIT, state.cache.lengths >= state.cache.max_len - 1),
     ]
     code = jnp.full(token.shape, RUNNING, jnp.int32)
     for value, cond in reversed(conditions):
         code = jnp.where(cond, value, code)
-    return jnp.where(state.done, RUNNING, code)
+    return jnp.where(state.done | state.paused, RUNNING, code)
 
 
-def decode_step(model: DecoderModel, params: Any, state: StepState,
-                top_logprobs: int = 0) -> tuple[StepState, StepOutput]:
-    """Select y_t for every live row, then write it and compute z_{t+1} where the row goes on."""
+@functools.lru_cache(maxsize=None)
+def accepts_kv_len(model_type: type) -> bool:
+    """Whether a model's forward takes the optional static `kv_len` (attend to a prefix only)."""
+    return "kv_len" in inspect.signature(model_type.forward).parameters
+
+
+def decode_step(model: DecoderModel, params: Any, state: StepState, top_logprobs: int = 0,
+                kv_len: Optional[int] = None) -> tuple[StepState, StepOutput]:
+    """Select y_t for every live row, then write it and compute z_{t+1} where the row goes on.
+
+    Paused rows neither select nor write. `kv_len` (static) bounds attention to the first kv_len
+    cache positions; the caller guarantees every live row's length stays below it."""
     t = state.step + 1
-    logprobs = processors.process(state.logits, state.rows, state.counts, state.seen, state.step)
+    grammar = None if state.grammar is None else (state.grammar, state.grammar_state)
+    logprobs = processors.process(state.logits, state.rows, state.counts, state.seen, state.step,
+                                  grammar)
     token = sampling_lib.select(logprobs, state.rows, t)
-    finish = finish_codes(state, logprobs, token)
-    live = ~state.done
+    grammar_next = None if grammar is None else constraints.next_state(*grammar, token)
+    finish = finish_codes(state, logprobs, token, grammar_next)
+    live = ~state.done & ~state.paused
     goes_on = live & (finish == RUNNING)
 
+    extra = {"kv_len": kv_len} if kv_len is not None and accepts_kv_len(type(model)) else {}
     logits, cache = model.forward(params, token[:, None], state.cache.lengths[:, None],
-                                  state.cache, lengths=goes_on.astype(jnp.int32))
+                                  state.cache, lengths=goes_on.astype(jnp.int32), **extra)
     rows_idx = jnp.arange(token.shape[0])
     raw = jax.nn.log_softmax(state.logits, axis=-1)
     if top_logprobs:
@@ -144,13 +177,32 @@ def decode_step(model: DecoderModel, params: Any, state: StepState,
         done=state.done | (finish != RUNNING),
         finish=jnp.where(live, finish, state.finish),
     )
+    if grammar_next is not None:  # constraints: advance rows that go on; ended rows keep theirs
+        new_state = new_state.replace(
+            grammar_state=jnp.where(goes_on, grammar_next, state.grammar_state))
     out = StepOutput(token=jnp.where(live, token, -1), finish=finish,
                      logprob=jnp.take_along_axis(raw, token[:, None], axis=-1)[:, 0],
                      top_ids=top_ids, top_logprobs=top_lp)
     return new_state, out
 
 
-decode_step_jit = jax.jit(decode_step, static_argnums=(0, 3), donate_argnums=(2,))
+def _step_shared_grammar(model, params, state, top_logprobs, kv_len, grammar):
+    new_state, out = decode_step(model, params, state.replace(grammar=grammar), top_logprobs,
+                                 kv_len)
+    return new_state.replace(grammar=None), out
+
+
+_step_jit = jax.jit(_step_shared_grammar, static_argnums=(0, 3, 4), donate_argnums=(2,))
+
+
+def decode_step_jit(model: DecoderModel, params: Any, state: StepState, top_logprobs: int = 0,
+                    kv_len: Optional[int] = None) -> tuple[StepState, StepOutput]:
+    """`decode_step`, jitted, with the state donated -- except the constraint tables
+    (`state.grammar`), which are shared read-only data like `params` and pass through untouched."""
+    grammar = state.grammar
+    new_state, out = _step_jit(model, params, state.replace(grammar=None), top_logprobs, kv_len,
+                               grammar)
+    return new_state.replace(grammar=grammar), out
 
 
 # -- generate --------------------------------------------------------------------------------
@@ -163,7 +215,9 @@ class GenerateOutput:
     ended it (as HF `generate` does), padded with -1 after the row's end; lengths int32[B];
     finish_reasons: one FinishReason per row; errors: None per row, or the ErrorCode of a row that
     failed (`model_error` for NaN logits, `all_tokens_masked` -- SPEC P2 -- when every token was
-    masked; its finish reason is then `model_error`); logprobs f32[B, N]: the raw model log-probability of each selected token
+    masked, `grammar_dead_end` when that happens on a constrained row; its finish reason is then
+    `model_error`; a constrained row whose grammar accepts and allows nothing more ends with
+    `grammar_complete`); logprobs f32[B, N]: the raw model log-probability of each selected token
     (before processors, as OpenAI and vLLM report), when asked; top_logprobs: (ids, logprobs)
     int32/f32[B, N, K] when some row asked for K > 0.
     """
@@ -228,8 +282,11 @@ def iterate(model: DecoderModel, params: Any, state: StepState, num_steps: int,
 
 def prepare(model: DecoderModel, params: Any, prompt_ids: Sequence[Sequence[int]],
             sampling: SamplingParams | Sequence[SamplingParams], max_new_tokens: Optional[int],
-            key: Optional[Array], eos_token_ids: Optional[Sequence[int]] = None):
-    """Validate ragged prompts and settings; prefill. Returns (state, per-row params, N)."""
+            key: Optional[Array], eos_token_ids: Optional[Sequence[int]] = None,
+            tokenizer: Any = None):
+    """Validate ragged prompts and settings; prefill. Returns (state, per-row params, N).
+
+    Rows with a response_format are compiled against `tokenizer` (constraints.prepare_rows)."""
     if not prompt_ids or not all(len(p) > 0 for p in prompt_ids):
         raise ValueError("prompt_ids: expected a non-empty list of non-empty token-id lists")
     b = len(prompt_ids)
@@ -264,7 +321,10 @@ def prepare(model: DecoderModel, params: Any, prompt_ids: Sequence[Sequence[int]
                                    min_tokens=min(s.min_tokens, n)) for s in rows_sp]
     eos = cfg.eos_token_ids if eos_token_ids is None else tuple(eos_token_ids)
     rows = RowParams.build(rows_sp, cfg.vocab_size, eos, keys=keys)
+    grammar = constraints.prepare_rows(rows_sp, tokenizer, cfg.vocab_size, eos)  # before prefill
     state = prefill(model, params, tokens, lengths, rows, cache_len)
+    if grammar is not None:  # constraints: tables + initial per-row states
+        state = state.replace(grammar_state=jnp.asarray(grammar[1]), grammar=grammar[0].tables)
     if any(s.n > 1 for s in rows_sp):
         state, rows_sp = expand_n(state, rows_sp, keys, cfg.vocab_size, eos)
     return state, rows_sp, n
@@ -282,10 +342,13 @@ def sample_keys(key_data: np.ndarray, n: int) -> np.ndarray:
 
 
 def take_rows(state: StepState, index) -> StepState:
-    """Rows `index` of a StepState (cache gathered along its batch axis, axis 1 of k and v)."""
-    cache = state.cache
-    rest = jax.tree.map(lambda x: jnp.take(x, index, axis=0), state.replace(cache=None))
-    return rest.replace(cache=cache.replace(k=jnp.take(cache.k, index, axis=1),
+    """Rows `index` of a StepState (cache gathered along its batch axis, axis 1 of k and v;
+    the shared grammar tables untouched, the per-row grammar_state gathered)."""
+    cache, grammar = state.cache, state.grammar
+    rest = jax.tree.map(lambda x: jnp.take(x, index, axis=0),
+                        state.replace(cache=None, grammar=None))
+    return rest.replace(grammar=grammar,
+                        cache=cache.replace(k=jnp.take(cache.k, index, axis=1),
                                             v=jnp.take(cache.v, index, axis=1),
                                             lengths=jnp.take(cache.lengths, index, axis=0)))
 
@@ -306,7 +369,7 @@ def expand_n(state: StepState, rows_sp: Sequence[SamplingParams], keys: np.ndarr
 def generate(model: DecoderModel, params: Any, prompt_ids: Sequence[Sequence[int]],
              sampling: SamplingParams | Sequence[SamplingParams], *,
              max_new_tokens: Optional[int] = None, key: Optional[Array] = None,
-             trace: bool = True) -> GenerateOutput:
+             trace: bool = True, tokenizer: Any = None) -> GenerateOutput:
     """Decode ragged prompts entirely on device (DESIGN.md `jd.generate`).
 
     A row's randomness comes from its seed; `key` serves rows with seed=None (row r uses
@@ -315,8 +378,10 @@ def generate(model: DecoderModel, params: Any, prompt_ids: Sequence[Sequence[int
     n over the prompts, in prompt order, samples by index); sample i draws from
     fold_in(request key, i), so a seeded request's n samples are reproducible.
     `trace=False` drives the same step from a Python loop instead of `lax.while_loop`.
+    `tokenizer` is needed when a row has a response_format (jaxdecode/constraints).
     """
-    state, rows_sp, n = prepare(model, params, prompt_ids, sampling, max_new_tokens, key)
+    state, rows_sp, n = prepare(model, params, prompt_ids, sampling, max_new_tokens, key,
+                                tokenizer=tokenizer)
     k = max(s.logprobs for s in rows_sp)
     buffer_len = bucket(n)
     if trace:
@@ -331,7 +396,7 @@ def generate(model: DecoderModel, params: Any, prompt_ids: Sequence[Sequence[int
                                             ("token", "logprob", "top_ids", "top_logprobs"))
     finish = np.asarray(state.finish)
     step = np.asarray(state.step)
-    failed = (finish == ALL_MASKED) | (finish == MODEL_ERROR)
+    failed = np.isin(finish, FAILED_CODES)
     lengths = np.where(failed, step - 1, step).astype(np.int32)
     tokens, logprob = _fit(tokens, n), _fit(logprob, n)
     after_end = np.arange(n)[None, :] >= lengths[:, None]

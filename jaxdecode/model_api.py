@@ -75,6 +75,8 @@ class DecoderModel(Protocol):
       query at position p attend to cache entries 0..p of its row, and returns
       (logits f32[B, T, vocab_size], cache with lengths = one past the last written position).
     Models must be hashable (frozen dataclasses): they are static arguments of jitted functions.
+    A model may also accept an optional static keyword `kv_len`: attend to cache positions
+    [0, kv_len) only (the decoder passes it when every row is shorter; models without it work).
     """
 
     config: ModelConfig

@@ -3,7 +3,8 @@
 1. repetition (HF: divide positive / multiply negative logits of ids seen in prompt or output),
    frequency and presence (OpenAI: subtract count * f + [count > 0] * p over output ids),
    then logit_bias
-2. banned ids (carried as -inf in the bias) and the min_tokens mask of EOS / stop ids
+2. banned ids (carried as -inf in the bias), the min_tokens mask of EOS / stop ids, and the
+   grammar mask of constrained rows (jaxdecode/constraints; skipped when no row is constrained)
 3. temperature (0 selects the greedy branch; the division uses 1 there, never 0)
 4. top-k, then top-p, then min-p (HF semantics: ties at the k-th value are kept; top-p keeps the
    smallest set whose mass reaches p; min-p drops tokens below min_p * the top probability)
@@ -22,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdecode.config import SamplingParams
+from jaxdecode.constraints import tables as constraint_tables
 from jaxdecode.state import RowParams
 
 PROCESSOR_ORDER = "v1"
@@ -72,13 +74,16 @@ def apply_truncation(logits: Array, rows: RowParams) -> Array:
     return jax.lax.cond(needed, truncate, lambda x: x, logits)
 
 
-def process(logits: Array, rows: RowParams, counts: Array, seen: Array, step: Array) -> Array:
+def process(logits: Array, rows: RowParams, counts: Array, seen: Array, step: Array,
+            grammar: Optional[tuple] = None) -> Array:
     """SPEC §3 steps 1-5: raw logits f32[B, V] -> log-probabilities (-inf where removed).
 
     Rows with temperature 0 get their penalised and masked logits renormalised; their selection
-    is the argmax (`sampling.select`)."""
+    is the argmax (`sampling.select`). `grammar` = (GrammarTables, int32[B] states) or None."""
     x = apply_penalties(logits.astype(jnp.float32), rows, counts, seen)
     x = apply_masks(x, rows, step)
+    if grammar is not None:  # constraints: step 2, grammar mask
+        x = constraint_tables.mask_logits(x, grammar[0], grammar[1], rows.eos_mask)
     greedy = (rows.temperature == 0)[:, None]
     x = jnp.where(greedy, x, apply_truncation(apply_temperature(x, rows), rows))
     all_masked = jnp.all(jnp.isneginf(x), axis=-1, keepdims=True)  # SPEC P2: -inf, never NaN

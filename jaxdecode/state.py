@@ -7,7 +7,7 @@ never recompiles.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +21,9 @@ Array = jax.Array
 
 # Device finish codes (0 = still running). Mapped to FinishReason / ErrorCode on the host.
 RUNNING, EOS, STOP_TOKEN, MAX_TOKENS, CONTEXT_LIMIT, ALL_MASKED, MODEL_ERROR = range(7)
+# constraints (jaxdecode/constraints): the grammar accepted and allows nothing more; every token
+# masked on a constrained row (SPEC P2, ErrorCode.GRAMMAR_DEAD_END)
+GRAMMAR_COMPLETE, GRAMMAR_DEAD_END = 7, 8
 
 
 @struct.dataclass
@@ -78,7 +81,13 @@ class RowParams:
 
 
 def seed_key_data(seed: int) -> np.ndarray:
-    """The raw key data of `jax.random.key(seed)` under the default PRNG implementation."""
+    """The raw key data of `jax.random.key(seed)` under the default PRNG implementation.
+
+    For threefry2x32 (the default) it is computed on the host as [seed >> 32, seed & 0xffffffff]
+    -- equal to `jax.random.key(seed)` for seeds < 2**32, and distinct for every 63-bit seed
+    (with x64 disabled, jax itself would truncate larger seeds to their low 32 bits)."""
+    if jax.config.jax_default_prng_impl == "threefry2x32":
+        return np.array([(seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF], np.uint32)
     return np.asarray(jax.random.key_data(jax.random.key(seed)), np.uint32)
 
 
@@ -93,8 +102,14 @@ class StepState:
     counts:     int32[B, V] occurrences of each id in the output (frequency/presence penalties)
     seen:       bool[B, V] ids present in prompt or output (repetition penalty, HF semantics)
     done:       bool[B] the row has ended; it selects and writes nothing more
+    paused:     bool[B] the row skips steps and stays exactly as it is (back-pressure, SPEC B1)
     finish:     int32[B] device finish code (RUNNING while live)
     rows:       RowParams
+    grammar_state: int32[B] automaton state of each row (-1 = unconstrained), or None when no
+                row of the batch is constrained. Per row, it moves with the cache: beams gather
+                it, speculative decoding rolls it back with `cache.lengths`.
+    grammar:    constraints.GrammarTables shared by all rows (not per row: vmap in_axes=None),
+                or None. See jaxdecode/constraints/__init__.py.
     """
 
     cache: KVCache
@@ -104,8 +119,12 @@ class StepState:
     counts: Array
     seen: Array
     done: Array
+    paused: Array
     finish: Array
     rows: RowParams
+    # -- constraints (jaxdecode/constraints); None = no constrained row, the step is unchanged --
+    grammar_state: Optional[Array] = None
+    grammar: Optional[Any] = None
 
 
 @struct.dataclass

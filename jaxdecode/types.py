@@ -71,3 +71,26 @@ class Event:
     seq: Optional[int] = None
     data: dict = dataclasses.field(default_factory=dict)
     time: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+    """One finished request of the engine (DESIGN.md `jd.Completion`).
+
+    `events` is the request's full trace (lifecycle, token.selected, decode.completed, deltas,
+    the terminal event, resources.released); `prompt_index` / `index` place it among the
+    prompts and the n samples of `LLM.generate`. `error` is the ErrorCode of a failed request.
+    """
+
+    request_id: str
+    text: str
+    token_ids: tuple
+    finish_reason: Optional[FinishReason]
+    error: Optional[ErrorCode] = None
+    usage: Usage = Usage()
+    events: tuple = ()
+    record: Optional[Any] = None
+    prompt_index: int = 0
+    index: int = 0
+    state: Optional[RequestState] = None
+    timings: Optional[dict] = None

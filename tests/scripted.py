@@ -38,3 +38,33 @@ class ScriptedModel:
         last = jnp.max(jnp.where(real, positions + 1, 0), axis=1)
         new_len = jnp.where(lengths > 0, last, cache.lengths).astype(jnp.int32)
         return logits, cache.replace(lengths=new_len)
+
+
+HOOKS: dict = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class HookedModel(ScriptedModel):
+    """A ScriptedModel that calls `HOOKS[hook](positions, lengths)` (numpy) inside every forward,
+    at run time on the host: tests use it to block a step in flight or to slow steps down."""
+
+    hook: str = ""
+
+    @classmethod
+    def make(cls, script, hook, vocab_size=16, max_len=64, eos_token_ids=(), peak=10.0):
+        base = ScriptedModel.make(script, vocab_size, max_len, eos_token_ids, peak)
+        return cls(base.config, base.script, base.peak, hook)
+
+    def forward(self, params, tokens, positions, cache, *, lengths):
+        from jax.experimental import io_callback
+        import numpy as np
+
+        logits, cache = super().forward(params, tokens, positions, cache, lengths=lengths)
+        hook = self.hook
+
+        def call(pos, lens):
+            HOOKS[hook](np.asarray(pos), np.asarray(lens))
+            return np.float32(0.0)
+
+        zero = io_callback(call, jax.ShapeDtypeStruct((), jnp.float32), positions, lengths)
+        return logits + zero, cache

@@ -189,3 +189,28 @@ def test_consistency_O3_detects_a_broken_cache(tiny):
 
     with pytest.raises(AssertionError, match="prefix length 4"):
         jd.assert_incremental_consistency(Forgetful(model.config), params, [5, 6, 7], [8, 9])
+
+
+def test_sampling_draws_follow_the_processed_distribution():
+    from scipy.stats import chisquare
+
+    from jaxdecode.sampling import inverse_cdf
+
+    p = np.array([0.1, 0.0, 0.5, 0.15, 0.25])
+    keys = jax.random.split(jax.random.key(0), 50000)
+    with np.errstate(divide="ignore"):
+        logp = np.log(p).astype(np.float32)
+    draws = np.asarray(jax.jit(jax.vmap(inverse_cdf, (0, None)))(keys, logp))
+    counts = np.bincount(draws, minlength=5)
+    assert counts[1] == 0  # probability 0 is never drawn
+    assert chisquare(counts[[0, 2, 3, 4]], p[[0, 2, 3, 4]] * len(draws)).pvalue > 1e-3
+
+
+def test_sampling_truncation_is_respected_in_generate(tiny):
+    model, params = tiny
+    out = jd.generate(model, params, [[5, 6]] * 8,
+                      [jd.SamplingParams(seed=s, top_k=2, max_tokens=6, ignore_eos=True)
+                       for s in range(8)])
+    state, _, _ = decode.prepare(model, params, [[5, 6]], greedy(1), None, None)
+    top2 = set(np.argsort(-np.asarray(state.logits[0]))[:2].tolist())
+    assert {int(t) for t in out.token_ids[:, 0]} <= top2

@@ -1,0 +1,613 @@
+"""`LLM`: continuous batching over fixed slots, with streaming, cancellation and deadlines.
+
+JetStream-style: requests admitted together are prefilled as one batch into their prompt
+bucket and inserted into free slots; one jitted decode step runs over all slots (finished and
+empty rows are masked). One
+engine thread owns the device state and runs the host loop:
+
+    admit queued requests into free slots -> apply releases and pauses -> dispatch step t+1
+    -> process step t's tokens (detokenize, stop-match, stream) -> ...
+
+Step t+1 is dispatched before step t's tokens are processed, so host work overlaps the device
+step (JAX async dispatch). Each dispatched step carries a snapshot of which request owned each
+slot; a token is processed only for a request that is still live and still owns the slot (the
+duplicate guard: a token selected after a request's terminal event is never emitted, SPEC L3).
+Cancels and deadlines are observed at these safe points (SPEC L4, §8); `cancel()` only sets a
+flag and returns at once (C4).
+
+Usage (SPEC §9): selected = tokens the device chose for the request; processed = those written
+into the cache while the request went on (`decode.completed`); returned = those whose text was
+returned. With several endings on one token the one that ends the text wins (S9).
+
+Streams without a reader: `generate()` uses the `final_only` kind, so nothing accumulates;
+`submit()` keeps up to `max_buffered` unsent events under the chosen back-pressure policy.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import itertools
+import logging
+import os
+import threading
+import time
+from typing import Any, Iterator, Optional, Sequence, Union
+
+import jax
+import numpy as np
+
+import jax.numpy as jnp
+
+from jaxdecode import constraints, decode, slots
+from jaxdecode.config import SamplingParams
+from jaxdecode.host import Lifecycle, OrderedStream, TextPipeline
+from jaxdecode.model_api import DecoderModel
+from jaxdecode.state import EOS, RUNNING, STOP_TOKEN, RowParams, seed_key_data
+from jaxdecode.tokenization import encode, eos_token_id
+from jaxdecode.types import (Completion, DecodingError, ErrorCode, FinishReason, RequestState,
+                             Usage)
+
+logger = logging.getLogger(__name__)
+
+Prompt = Union[str, Sequence[int]]
+
+# Attention reads only the first kv_len cache positions, a power of two >= this covering every
+# live row: few compiled variants, and short requests never pay for a long max_len.
+KV_BUCKET_MIN = 256
+
+
+class QueueFull(RuntimeError):
+    """The admission queue is at `max_queue`; retry later (HTTP 429)."""
+
+
+class EngineClosed(RuntimeError):
+    """The engine was closed; it accepts no more requests."""
+
+
+class RequestHandle:
+    """A submitted request: its events, trace, cancellation and result."""
+
+    def __init__(self, engine: "LLM", request_id: str, prompt_ids: list, sampling: SamplingParams,
+                 seed: int, key_data: np.ndarray, prompt_index: int, index: int,
+                 output_kind: str, grammar: Optional[Any] = None):
+        self.request_id = request_id
+        self.grammar = grammar  # constraints.CompiledIndex of its response_format, or None
+        self.prompt_ids = prompt_ids
+        self.sampling = sampling
+        self.seed = seed
+        self.key_data = key_data
+        self.prompt_index = prompt_index
+        self.index = index
+        self.deadline = (time.monotonic() + sampling.deadline_s
+                         if sampling.deadline_s is not None else None)
+        stream = OrderedStream(request_id, output_kind=output_kind,
+                               max_buffered=engine.max_buffered, policy=engine.backpressure)
+        self.lifecycle = Lifecycle(request_id, stream=stream, trace=engine.trace_events)
+        self.pipeline = TextPipeline(
+            engine.tokenizer, prompt_ids=prompt_ids, stop=sampling.stop,
+            stop_token_sequences=sampling.stop_id_sequences,
+            include_stop_in_output=sampling.include_stop_in_output,
+            skip_special_tokens=sampling.skip_special_tokens, errors=sampling.utf8_errors)
+        self.token_ids: list[int] = []
+        self.selected = 0
+        self.processed = 0
+        self.dispatched = 0  # steps dispatched while in a slot (one may be ahead of `selected`)
+        self.slot: Optional[int] = None
+        self.error_message = ""
+        self._engine = engine
+        self._done = threading.Event()
+
+    # -- user side ----------------------------------------------------------------------------
+
+    def events(self, timeout: Optional[float] = None) -> Iterator:
+        """The stream events in seq order: start, deltas, one terminal event."""
+        return self.lifecycle.stream.iter(timeout)
+
+    def trace(self) -> list:
+        """The full event trace so far (lifecycle, token.selected, decode.completed, ...)."""
+        return list(self.lifecycle.events)
+
+    def cancel(self) -> None:
+        """Ask for cancellation; returns at once, idempotent, a no-op once ended (SPEC C4)."""
+        if self.lifecycle.request_cancel():
+            self._engine._wake()
+
+    def result(self, timeout: Optional[float] = None) -> Completion:
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"request {self.request_id} did not end within {timeout}s")
+        return self.completion()
+
+    @property
+    def state(self) -> RequestState:
+        return self.lifecycle.state
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def usage(self) -> Usage:
+        return Usage(prompt_tokens=len(self.prompt_ids), selected_tokens=self.selected,
+                     processed_tokens=self.processed,
+                     returned_tokens=self.pipeline.returned_tokens)
+
+    def completion(self) -> Completion:
+        term = self.lifecycle.terminal_event
+        data = term.data if term is not None else {}
+        reason = data.get("finish_reason")
+        return Completion(
+            request_id=self.request_id, text=self.pipeline.text,
+            token_ids=tuple(self.token_ids),
+            finish_reason=FinishReason(reason) if reason is not None else None,
+            error=ErrorCode(data["error"]) if data.get("error") is not None else None,
+            usage=self.usage(), events=tuple(self.lifecycle.events), record=None,
+            prompt_index=self.prompt_index, index=self.index, state=self.lifecycle.state,
+            timings=self.lifecycle.timings(self.pipeline).as_dict())
+
+    def __repr__(self) -> str:
+        return f"RequestHandle({self.request_id!r}, {self.lifecycle.state.value})"
+
+
+@dataclasses.dataclass
+class _Dispatched:
+    """A step in flight: its output and which request owned each slot when it was dispatched."""
+
+    out: Any
+    owners: list
+
+
+class LLM:
+    """The engine of DESIGN.md: `generate`, `stream`, `submit`, `close`; thread-safe."""
+
+    def __init__(self, model: DecoderModel, params: Any, tokenizer: Any, *, max_slots: int = 8,
+                 max_len: int = 2048, eos_token_ids: Optional[Sequence[int]] = None,
+                 max_queue: int = 1024, max_buffered: int = 4096, backpressure: str = "buffer",
+                 trace: bool = True):
+        if not isinstance(max_slots, int) or max_slots < 1:
+            raise ValueError(f"max_slots: must be a positive integer, got {max_slots!r}")
+        if not isinstance(max_len, int) or not 2 <= max_len <= model.config.max_len:
+            raise ValueError(f"max_len: must be in [2, {model.config.max_len}] (the model's "
+                             f"context), got {max_len!r}")
+        if not isinstance(max_queue, int) or max_queue < 1:
+            raise ValueError(f"max_queue: must be a positive integer, got {max_queue!r}")
+        self.model, self.params, self.tokenizer = model, params, tokenizer
+        self.max_slots, self.max_len, self.max_queue = max_slots, max_len, max_queue
+        self.max_buffered, self.backpressure, self.trace_events = max_buffered, backpressure, trace
+        if eos_token_ids is None:
+            eos_token_ids = model.config.eos_token_ids
+            if not eos_token_ids and eos_token_id(tokenizer) is not None:
+                eos_token_ids = (eos_token_id(tokenizer),)
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.model_snapshot = hashlib.sha256(repr(model.config).encode()).hexdigest()[:16]
+        self.error: Optional[str] = None  # the last engine failure (health)
+        self._cond = threading.Condition()
+        self._queue: collections.deque[RequestHandle] = collections.deque()
+        self._slots: list[Optional[RequestHandle]] = [None] * max_slots
+        self._release = np.zeros(max_slots, bool)
+        self._paused = np.zeros(max_slots, bool)
+        self._state = None
+        self._bundle: Optional[constraints.TableBundle] = None  # grammar tables of live slots
+        self._ids = itertools.count()
+        self._closed = False
+        self._thread: Optional[threading.Thread] = None
+
+    # -- public API ------------------------------------------------------------------------------
+
+    def submit(self, prompt: Prompt, params: Optional[SamplingParams] = None, *,
+               request_id: Optional[str] = None, block: bool = False) -> RequestHandle:
+        """Queue one request (n must be 1; `generate` expands n). Raises ValueError naming the
+        bad field, `QueueFull` when the admission queue is full (unless `block`)."""
+        handle = self._make_handle(prompt, params, request_id)
+        self._enqueue([handle], block)
+        return handle
+
+    def _make_handle(self, prompt: Prompt, params: Optional[SamplingParams],
+                     request_id: Optional[str] = None, prompt_index: int = 0, index: int = 0,
+                     output_kind: Optional[str] = None) -> RequestHandle:
+        sp = params if params is not None else SamplingParams()
+        if not isinstance(sp, SamplingParams):
+            raise ValueError(f"params: expected SamplingParams, got {type(sp).__name__}")
+        if sp.n != 1 and output_kind is None:
+            raise ValueError("n: submit() and stream() take one sample; use generate() for n > 1")
+        prompt_ids = self._encode(prompt)
+        sp.check_vocab(self.model.config.vocab_size)
+        grammar = None
+        if sp.response_format is not None and sp.response_format.get("type") != "text":
+            vocab = constraints.vocab_for(self.tokenizer, self.model.config.vocab_size,
+                                          exclude_ids=self.eos_token_ids)
+            grammar = constraints.compile_format(sp.response_format, vocab)  # cached
+        seed = sp.seed if sp.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+        key = seed_key_data(seed) if sp.n == 1 else np.asarray(
+            jax.random.key_data(jax.random.fold_in(jax.random.key(seed), index)), np.uint32)
+        rid = request_id or f"req-{next(self._ids)}"
+        return RequestHandle(self, rid, prompt_ids, sp, seed, key, prompt_index, index,
+                             output_kind or sp.output_kind, grammar)
+
+    def _enqueue(self, handles: list, block: bool) -> None:
+        """Queue handles together (the engine admits them in one prefill when slots allow)."""
+        with self._cond:
+            pending = list(handles)
+            while pending:
+                if self._closed:
+                    raise EngineClosed("the engine is closed")
+                room = self.max_queue - len(self._queue)
+                if room <= 0:
+                    if not block:
+                        raise QueueFull(f"admission queue is full ({self.max_queue} requests)")
+                    self._cond.wait(0.05)
+                    continue
+                for handle in pending[:room]:
+                    handle.lifecycle.transition(RequestState.QUEUED)
+                    handle.lifecycle.emit_start(self.model_snapshot)
+                    self._queue.append(handle)
+                pending = pending[room:]
+                self._ensure_thread()
+                self._cond.notify_all()
+
+    def stream(self, prompt: Prompt, params: Optional[SamplingParams] = None,
+               timeout: Optional[float] = None) -> Iterator:
+        """Yield the request's stream events: start, deltas, one terminal event."""
+        handle = self.submit(prompt, params)
+        try:
+            yield from handle.events(timeout)
+        finally:
+            if not handle.done:  # the consumer stopped early
+                handle.cancel()
+
+    def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
+                 params: Union[None, SamplingParams, Sequence[SamplingParams]] = None, *,
+                 use_tqdm: bool = False) -> list[Completion]:
+        """Run prompts to completion: a flat list, len(prompts) * n, each prompt's n samples
+        adjacent (`Completion.prompt_index`, `Completion.index`)."""
+        single = isinstance(prompts, str) or (
+            isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int))
+        prompts = [prompts] if single else list(prompts)
+        if isinstance(params, (list, tuple)):
+            if len(params) != len(prompts):
+                raise ValueError(f"params: expected 1 or {len(prompts)} SamplingParams, "
+                                 f"got {len(params)}")
+            per_prompt = list(params)
+        else:
+            per_prompt = [params if params is not None else SamplingParams()] * len(prompts)
+        handles = [self._make_handle(p, sp, prompt_index=i, index=j, output_kind="final_only")
+                   for i, (p, sp) in enumerate(zip(prompts, per_prompt)) for j in range(sp.n)]
+        self._enqueue(handles, block=True)  # validated all before queueing any
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(handles), desc="generate", unit="req")
+        results = []
+        for h in handles:
+            results.append(h.result())
+            if bar is not None:
+                bar.update(1)
+        if bar is not None:
+            bar.close()
+        return results
+
+    def warmup(self, max_prompt_len: int = 64) -> int:
+        """Compile every shape the engine can meet for prompts up to `max_prompt_len`: prefill
+        for each admission batch (powers of two up to max_slots) and prompt bucket, the slot
+        scatter, and the decode step for each attention bucket. Returns the compilations."""
+        before = decode.compilation_count()
+        state = slots.empty_state(self.model, self.params, self.max_slots, self.max_len,
+                                  self.eos_token_ids)
+        t_buckets = sorted({decode.bucket(n, self.max_len) for n in
+                            range(1, min(max_prompt_len, self.max_len - 1) + 1)})
+        n = 1
+        while True:
+            rows = RowParams.build([SamplingParams()] * n, self.model.config.vocab_size,
+                                   self.eos_token_ids, keys=np.zeros((n, 2), np.uint32))
+            for t in t_buckets:
+                row = decode.prefill(self.model, self.params, np.zeros((n, t), np.int32),
+                                     np.ones((n,), np.int32), rows, self.max_len)
+                state = slots.insert(state, row, np.full((n,), self.max_slots, np.int32))
+            if n >= self.max_slots:
+                break
+            n = min(2 * n, 1 << (self.max_slots - 1).bit_length())
+        flags = np.zeros((self.max_slots,), bool)
+        state = slots.set_flags(state, flags, flags)
+        kv = min(KV_BUCKET_MIN, self.max_len)
+        while True:
+            state, _ = decode.decode_step_jit(self.model, self.params, state, 0, kv)
+            if kv >= self.max_len:
+                break
+            kv = min(2 * kv, self.max_len)
+        jax.block_until_ready(state)
+        return decode.compilation_count() - before
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the engine thread; requests still queued or running end CANCELLED."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._queue)
+
+    @property
+    def num_running(self) -> int:
+        return sum(r is not None for r in self._slots)
+
+    # -- validation ------------------------------------------------------------------------------
+
+    def _encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            ids = encode(self.tokenizer, prompt)
+        elif isinstance(prompt, (list, tuple)) and all(
+                isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in prompt):
+            ids = [int(i) for i in prompt]
+        else:
+            raise ValueError("prompt: expected a string or a list of token ids")
+        if not ids:
+            raise ValueError("prompt: empty prompt (it encodes to no tokens)")
+        bad = [i for i in ids if not 0 <= i < self.model.config.vocab_size]
+        if bad:
+            raise ValueError(f"prompt: token id {bad[0]} is outside the vocabulary "
+                             f"(size {self.model.config.vocab_size})")
+        if len(ids) >= self.max_len:
+            raise ValueError(f"prompt: {len(ids)} tokens leave no room in max_len {self.max_len}")
+        return ids
+
+    # -- the engine thread -----------------------------------------------------------------------
+
+    def _ensure_thread(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, name="jaxdecode-engine",
+                                            daemon=True)
+            self._thread.start()
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        in_flight: Optional[_Dispatched] = None
+        while True:
+            with self._cond:
+                if self._closed:
+                    break
+                idle = in_flight is None and not any(self._slots) and not self._queue
+                if idle:
+                    self._cond.wait(0.5)
+                    continue
+            try:
+                self._sweep_queue()
+                self._admit()
+                dispatched = self._dispatch()
+                if in_flight is not None:
+                    self._process(in_flight)
+                in_flight = dispatched
+                if in_flight is None:
+                    self._sweep_slots()
+                    with self._cond:  # every live row is paused: wait for the readers
+                        if any(self._slots) and not self._queue and not self._closed:
+                            self._cond.wait(0.01)
+            except Exception as exc:  # a device or model failure: fail the affected requests
+                logger.exception("engine step failed")
+                self.error = f"{type(exc).__name__}: {exc}"
+                in_flight = None
+                self._fail_all(ErrorCode.MODEL_ERROR, self.error)
+        self._shutdown()
+
+    def _sweep_queue(self) -> None:
+        """Cancels and deadlines of requests that have not reached a slot yet."""
+        with self._cond:
+            queued = list(self._queue)
+        now = time.monotonic()
+        for r in queued:
+            if r.lifecycle.observe_cancel():
+                self._end_cancelled(r)
+            elif r.deadline is not None and now >= r.deadline:
+                self._end(r, FinishReason.DEADLINE_EXCEEDED)
+        with self._cond:
+            self._queue = collections.deque(r for r in self._queue if not r.lifecycle.is_terminal)
+            self._cond.notify_all()
+
+    def _admit(self) -> None:
+        free = [slot for slot, r in enumerate(self._slots) if r is None]
+        with self._cond:
+            batch = [self._queue.popleft() for _ in range(min(len(free), len(self._queue)))]
+            self._cond.notify_all()
+        if batch:
+            self._prefill_into(batch, free[:len(batch)])
+
+    def _prefill_into(self, batch: list, free: list) -> None:
+        """Prefill the admitted requests as one padded batch and scatter them into slots."""
+        if self._state is None:
+            self._state = slots.empty_state(self.model, self.params, self.max_slots,
+                                            self.max_len, self.eos_token_ids)
+        for r in batch:
+            r.lifecycle.transition(RequestState.PREFILLING)
+        n = 1 << (len(batch) - 1).bit_length()
+        t = decode.bucket(max(len(r.prompt_ids) for r in batch), self.max_len)
+        tokens = np.zeros((n, t), np.int32)
+        lengths = np.ones((n,), np.int32)
+        targets = np.full((n,), self.max_slots, np.int32)  # padding rows are dropped
+        sampling, keys = [SamplingParams()] * n, np.zeros((n, 2), np.uint32)
+        for i, (r, slot) in enumerate(zip(batch, free)):
+            tokens[i, :len(r.prompt_ids)] = r.prompt_ids
+            lengths[i], targets[i], keys[i] = len(r.prompt_ids), slot, r.key_data
+            sampling[i] = dataclasses.replace(
+                r.sampling, max_tokens=min(r.sampling.max_tokens, self.max_len - lengths[i]))
+        rows = RowParams.build(sampling, self.model.config.vocab_size, self.eos_token_ids,
+                               keys=keys)
+        prefilled = decode.prefill(self.model, self.params, tokens, lengths, rows, self.max_len)
+        initial = self._grammar_tables(batch)
+        if initial is not None:
+            states = np.full((n,), -1, np.int32)
+            states[:len(batch)] = initial
+            prefilled = prefilled.replace(grammar_state=jnp.asarray(states))
+        self._state = slots.insert(self._state, prefilled, targets)
+        for r, slot in zip(batch, free):
+            self._release[slot] = False
+            r.slot, r.dispatched = slot, 0
+            self._slots[slot] = r
+            r.lifecycle.transition(RequestState.DECODING)
+
+    def _grammar_tables(self, batch: list) -> Optional[np.ndarray]:
+        """Keep one table set for the constraints of the live slots plus `batch` (existing ones
+        first, so offsets rarely move; else the live rows' states are rebased). Returns the
+        initial grammar state of each request in `batch`, or None while nothing was ever
+        constrained (then the step carries no tables and pays nothing)."""
+        live = [r for r in self._slots if r is not None]
+        wanted = [r.grammar for r in live + batch if r.grammar is not None]
+        if not wanted and self._bundle is None:
+            return None
+        bundle = constraints.build_tables(wanted, self.model.config.vocab_size)
+        if self._state.grammar_state is None:
+            self._state = self._state.replace(
+                grammar_state=jnp.full((self.max_slots,), -1, jnp.int32))
+        if bundle is not self._bundle:
+            old = np.asarray(self._state.grammar_state)
+            keys = [r.grammar.key if r is not None and r.grammar is not None else None
+                    for r in self._slots]
+            states = (constraints.rebase_states(old, keys, self._bundle, bundle)
+                      if self._bundle is not None else old)
+            states = np.where([k is None for k in keys], -1, states).astype(np.int32)
+            self._state = self._state.replace(grammar_state=jnp.asarray(states),
+                                              grammar=bundle.tables)
+            self._bundle = bundle
+        return np.array([bundle.initial_state(r.grammar) for r in batch], np.int32)
+
+    def _dispatch(self) -> Optional[_Dispatched]:
+        owners = list(self._slots)
+        paused = np.array([r is not None and r.lifecycle.stream.should_pause for r in owners])
+        live = [r for r, p in zip(owners, paused) if r is not None and not p]
+        for r, now, before in zip(owners, paused, self._paused):
+            if r is not None and now != before:  # SPEC B1: the row stays exactly as it is
+                r.lifecycle.record("backpressure.paused" if now else "backpressure.resumed")
+        if self._state is not None and (self._release.any() or paused.any()
+                                        or self._paused.any()):
+            self._state = slots.set_flags(self._state, self._release.copy(), paused)
+        self._release[:] = False
+        self._paused = paused
+        if not live:
+            return None
+        longest = max(len(r.prompt_ids) + r.dispatched + 1 for r in live)
+        kv_len = min(max(decode.bucket(longest), KV_BUCKET_MIN), self.max_len)
+        for r in live:
+            r.dispatched += 1
+            r.lifecycle.record("decode.started", step=r.dispatched)
+        self._state, out = decode.decode_step_jit(self.model, self.params, self._state, 0, kv_len)
+        return _Dispatched(out=out, owners=[r if r in live else None for r in owners])
+
+    def _process(self, step: _Dispatched) -> None:
+        out = jax.device_get(step.out)
+        for slot, r in enumerate(step.owners):
+            if r is None or r.lifecycle.is_terminal or r.slot != slot:
+                continue  # the duplicate guard: the request ended after this step was sent
+            if r.lifecycle.observe_cancel():  # L4: the in-flight result is discarded
+                self._end_cancelled(r)
+                continue
+            token, code = int(out.token[slot]), int(out.finish[slot])
+            if token >= 0:
+                self._on_token(r, token, code)
+        self._sweep_slots()
+
+    def _sweep_slots(self) -> None:
+        now = time.monotonic()
+        for r in list(self._slots):
+            if r is None or r.lifecycle.is_terminal:
+                continue
+            if r.lifecycle.observe_cancel():
+                self._end_cancelled(r)
+            elif r.deadline is not None and now >= r.deadline:
+                self._end(r, FinishReason.DEADLINE_EXCEEDED)
+
+    def _on_token(self, r: RequestHandle, token: int, code: int) -> None:
+        lc = r.lifecycle
+        if code in decode.ERRORS:  # NaN logits, every token masked, a grammar dead end (P2):
+            self._fail(r, decode.ERRORS[code], decode.ERRORS[code].value)  # nothing selected
+            return
+        r.selected += 1
+        t = r.selected
+        r.token_ids.append(token)
+        lc.record("token.selected", step=t, token=token)
+        if code == EOS or (code == STOP_TOKEN and not r.sampling.include_stop_in_output):
+            self._end(r, decode.FINISH_REASONS[code])  # never shown (D6, S8)
+            return
+        try:
+            pushed = r.pipeline.push(token)
+        except (DecodingError, ValueError) as exc:
+            self._fail(r, ErrorCode.DECODING_ERROR, str(exc))
+            return
+        lc.emit_delta(pushed.text)
+        if pushed.hit is not None:
+            lc.record("stop.hit", stop=pushed.hit.stop, index=pushed.hit.index)
+            self._end(r, FinishReason.STOP_SEQUENCE)
+        elif code == RUNNING:
+            r.processed += 1
+            lc.record("decode.completed", step=t, cache_length=len(r.prompt_ids) + t)
+        else:  # MAX_TOKENS, CONTEXT_LIMIT, GRAMMAR_COMPLETE, or a shown stop id
+            self._end(r, decode.FINISH_REASONS[code])
+
+    # -- endings (each ends the request exactly once, then releases its slot) ----------------------
+
+    def _end(self, r: RequestHandle, reason: FinishReason) -> None:
+        lc = r.lifecycle
+        if lc.is_terminal:
+            return
+        lc.try_transition(RequestState.DRAINING)
+        try:
+            final = r.pipeline.finish(reason)
+        except DecodingError as exc:
+            self._fail(r, ErrorCode.DECODING_ERROR, str(exc))
+            return
+        lc.emit_delta(final.text)
+        if final.hit is not None and reason is not FinishReason.STOP_SEQUENCE:
+            lc.record("stop.hit", stop=final.hit.stop, index=final.hit.index)
+        lc.complete(final.finish_reason, usage=r.usage())
+        self._release_slot(r)
+
+    def _end_cancelled(self, r: RequestHandle) -> None:
+        r.pipeline.cancel()
+        r.lifecycle.cancel(usage=r.usage())
+        self._release_slot(r)
+
+    def _fail(self, r: RequestHandle, error: ErrorCode, message: str) -> None:
+        r.error_message = message
+        r.lifecycle.fail(error, usage=r.usage(), message=message)
+        self._release_slot(r)
+
+    def _release_slot(self, r: RequestHandle) -> None:
+        slot = r.slot
+        if slot is not None:
+            def free():
+                if self._slots[slot] is r:
+                    self._slots[slot] = None
+                    self._release[slot] = True
+            r.lifecycle.release_once("slot", free)
+        r._done.set()
+        self._wake()
+
+    def _fail_all(self, error: ErrorCode, message: str) -> None:
+        with self._cond:
+            victims = list(self._queue) + [r for r in self._slots if r is not None]
+            self._queue.clear()
+        for r in victims:
+            self._fail(r, error, message)
+        self._state = None
+        self._bundle = None
+        self._slots = [None] * self.max_slots
+        self._release[:] = False
+        self._paused[:] = False
+
+    def _shutdown(self) -> None:
+        with self._cond:
+            victims = list(self._queue) + [r for r in self._slots if r is not None]
+            self._queue.clear()
+        for r in victims:
+            r.lifecycle.request_cancel()
+            self._end_cancelled(r)
