@@ -40,9 +40,14 @@ cache holds s[:-1] (lengths = L - 1) and s[-1] is the pending token -- the verif
 iteration that accepted all k tokens (its d_k was never written; the next draft call writes two
 tokens). Rollback is setting both caches' `lengths` (never copying). The penalty counts, the
 step index (the RNG cursor) and the history advance only by the emitted tokens.
+Structured output (jaxdecode/constraints): the draft proposes under the grammar mask with its
+own copy of the row's state; the verifier masks position i with the state after d_1 .. d_{i-1}
+(`constraints.state_path`); after the pass the row's state is the one after its last emitted
+token -- rolled back exactly like `cache.lengths` (an int32 per row, tables never copied).
 Within an accepted run every emitted token passes the device stop checks of `decode.py` in the
-same priority (model error, all masked, EOS, stop id, max_tokens, context limit): the first
-token that ends the row ends the run, and no token past it is ever emitted.
+same priority (model error, grammar dead end / all masked, EOS, stop id, grammar completion,
+max_tokens, context limit): the first token that ends the row ends the run, and no token past
+it is ever emitted.
 
 `num_branches > 1` (tree / multi-branch drafts) is not supported yet and raises ValueError.
 """
@@ -57,12 +62,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdecode import decode, processors
+from jaxdecode import constraints, decode, processors
 from jaxdecode.config import SamplingParams
-from jaxdecode.decode import ERRORS, FINISH_REASONS, GenerateOutput, bucket
+from jaxdecode.decode import ERRORS, FAILED_CODES, FINISH_REASONS, GenerateOutput, bucket
 from jaxdecode.model_api import DecoderModel
-from jaxdecode.state import (ALL_MASKED, CONTEXT_LIMIT, EOS, MAX_TOKENS, MODEL_ERROR, RUNNING,
-                             STOP_TOKEN, RowParams)
+from jaxdecode.state import (ALL_MASKED, CONTEXT_LIMIT, EOS, GRAMMAR_COMPLETE, GRAMMAR_DEAD_END,
+                             MAX_TOKENS, MODEL_ERROR, RUNNING, STOP_TOKEN, RowParams)
 
 Array = jax.Array
 PROMPT_LOOKUP = "prompt_lookup"
@@ -119,13 +124,18 @@ def _lookup(hist: Array, length: Array, k: int, ngrams: tuple) -> Array:
 
 
 @functools.partial(jax.jit, static_argnums=(0, 2, 4, 5))
-def _spec_loop(target, tparams, draft, dparams, k: int, ngrams: tuple, init: dict):
+def _spec_loop(target, tparams, draft, dparams, k: int, ngrams: tuple, init: dict, gtables):
     rows: RowParams = init["rows"]
     b, v = init["counts"].shape
     greedy = rows.temperature == 0
     max_len = init["tcache"].max_len
-    process_each = jax.vmap(lambda lg, c, s, st: processors.process(lg, rows, c, s, st),
-                            in_axes=(1, 1, 1, 1), out_axes=1)
+    constrained = gtables is not None   # static: some row has a response_format
+
+    def process_one(lg, c, s, st, g):
+        return processors.process(lg, rows, c, s, st, (gtables, g) if constrained else None)
+
+    process_each = jax.vmap(process_one, in_axes=(1, 1, 1, 1, 1 if constrained else None),
+                            out_axes=1)
 
     def propose_with_model(c, live):
         hist, length, lag = c["hist"], c["length"], c["lag"] & live
@@ -138,24 +148,26 @@ def _spec_loop(target, tparams, draft, dparams, k: int, ngrams: tuple, init: dic
         logits, dcache = draft.forward(dparams, toks, pos, c["dcache"], lengths=n_in)
         logit = jnp.take_along_axis(logits, jnp.maximum(n_in - 1, 0)[:, None, None], 1)[:, 0]
 
-        def sample(logit, counts, seen, i):
-            lq = processors.process(logit.astype(jnp.float32), rows, counts, seen,
-                                    c["step"] + i - 1)
+        def sample(logit, counts, seen, g, i):
+            # the draft proposes under the grammar mask, with its own copy of the state
+            lq = process_one(logit.astype(jnp.float32), counts, seen, c["step"] + i - 1, g)
             d = _select(lq, rows, _keys(rows, c["step"] + i, DRAFT))
-            return d, lq
+            g = constraints.next_state(gtables, g, d) if constrained else g
+            return d, lq, g
 
         def draft_step(carry, i):
-            logit, counts, seen, dcache = carry
-            d, lq = sample(logit, counts, seen, i)
+            logit, counts, seen, g, dcache = carry
+            d, lq, g = sample(logit, counts, seen, g, i)
             counts = counts.at[jnp.arange(b), d].add(live.astype(jnp.int32))
             seen = seen.at[jnp.arange(b), d].max(live)
             logits, dcache = draft.forward(dparams, d[:, None], (length + i - 1)[:, None],
                                            dcache, lengths=live.astype(jnp.int32))
-            return (logits[:, 0], counts, seen, dcache), (d, lq)
+            return (logits[:, 0], counts, seen, g, dcache), (d, lq)
 
-        (logit, counts, seen, dcache), (ds, lqs) = jax.lax.scan(
-            draft_step, (logit, c["counts"], c["seen"], dcache), jnp.arange(1, k, dtype=jnp.int32))
-        d_k, lq_k = sample(logit, counts, seen, k)
+        (logit, counts, seen, g, dcache), (ds, lqs) = jax.lax.scan(
+            draft_step, (logit, c["counts"], c["seen"], c.get("gstate"), dcache),
+            jnp.arange(1, k, dtype=jnp.int32))
+        d_k, lq_k, _ = sample(logit, counts, seen, g, k)
         d = jnp.concatenate([ds.T.reshape(b, k - 1), d_k[:, None]], 1)
         lq = jnp.concatenate([lqs.transpose(1, 0, 2).reshape(b, k - 1, v), lq_k[:, None]], 1)
         return d, lq, dcache
@@ -189,7 +201,9 @@ def _spec_loop(target, tparams, draft, dparams, k: int, ngrams: tuple, init: dic
         counts_all = c["counts"][:, None] + before
         seen_all = c["seen"][:, None] | (before > 0)
         steps_all = step[:, None] + jnp.arange(k + 1)[None, :]
-        lp = process_each(tlogits, counts_all, seen_all, steps_all)        # [B, k+1, V]
+        # grammar: position i is masked with the state after d_1 .. d_{i-1}
+        path = constraints.state_path(gtables, c["gstate"], d) if constrained else None
+        lp = process_each(tlogits, counts_all, seen_all, steps_all, path)  # [B, k+1, V]
 
         # accept / reject
         lp_d = jnp.take_along_axis(lp[:, :k], d[:, :, None], 2)[:, :, 0]
@@ -197,7 +211,8 @@ def _spec_loop(target, tparams, draft, dparams, k: int, ngrams: tuple, init: dic
         accept_keys = jax.vmap(lambda t: _keys(rows, t, ACCEPT), in_axes=1, out_axes=1)(t_idx)
         u = jax.vmap(jax.vmap(jax.random.uniform))(accept_keys)                # [B, k]
         ratio = jnp.exp(jnp.minimum(lp_d - lq_d, 0.0))
-        ok = jnp.where(greedy[:, None], d == jnp.argmax(lp[:, :k], -1), u < ratio)
+        ok = jnp.where(greedy[:, None], d == jnp.argmax(lp[:, :k], -1),
+                       (u < ratio) & jnp.isfinite(lq_d))
         j = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)     # accepted, 0..k
 
         # the token at position j + 1: residual (j < k) or bonus (j == k) from the target
@@ -210,10 +225,22 @@ def _spec_loop(target, tparams, draft, dparams, k: int, ngrams: tuple, init: dic
         emit = jnp.where(i0 < j[:, None], jnp.pad(d, ((0, 0), (0, 1))), corr[:, None])
 
         # device stops on every candidate token, in decode.finish_codes' priority
+        all_masked = jnp.all(jnp.isneginf(lp), -1)
+        grammar = []
+        if constrained:  # decode.finish_codes' grammar conditions, per position
+            g_next = constraints.next_state(gtables, path.reshape(-1),
+                                            emit.reshape(-1)).reshape(b, k + 1)
+            bound = path >= 0
+            grammar = [(GRAMMAR_DEAD_END, bound & all_masked),
+                       (GRAMMAR_DEAD_END, bound & (g_next == constraints.DEAD)),
+                       (GRAMMAR_COMPLETE, constraints.completes(
+                           gtables, g_next.reshape(-1)).reshape(b, k + 1))]
         conds = [(MODEL_ERROR, jnp.any(jnp.isnan(tlogits), -1)),
-                 (ALL_MASKED, jnp.all(jnp.isneginf(lp), -1)),
+                 *grammar[:1],
+                 (ALL_MASKED, all_masked),
                  (EOS, jnp.take_along_axis(rows.eos_mask, emit, axis=1)),
                  (STOP_TOKEN, jnp.take_along_axis(rows.stop_mask, emit, axis=1)),
+                 *grammar[1:],
                  (MAX_TOKENS, step[:, None] + i0 + 1 >= rows.max_tokens[:, None]),
                  (CONTEXT_LIMIT, length[:, None] + i0 >= max_len - 1)]
         code = jnp.full((b, k + 1), RUNNING, jnp.int32)
@@ -243,6 +270,9 @@ def _spec_loop(target, tparams, draft, dparams, k: int, ngrams: tuple, init: dic
                    proposed=c["proposed"] + k * live, accepted=c["accepted"] + jnp.minimum(j, n_emit),
                    target_tokens=c["target_tokens"] + (live & (n_emit == j + 1)),
                    iterations=c["iterations"] + live, it=c["it"] + 1)
+        if constrained:  # the state after the last emitted token; ended rows keep theirs
+            after = jnp.take_along_axis(g_next, jnp.maximum(n_emit - 1, 0)[:, None], 1)[:, 0]
+            out["gstate"] = jnp.where(live & ~ended, after, c["gstate"])
         if dcache is not None:
             lag = live & (n_emit == k + 1)
             dlen = jnp.where(lag, length + k - 1, new_length - 1)
@@ -259,13 +289,15 @@ def speculative_generate(target: DecoderModel, target_params: Any,
                          prompt_ids: Sequence[Sequence[int]],
                          sampling: SamplingParams | Sequence[SamplingParams], *, k: int = 4,
                          key: Optional[Array] = None, num_branches: int = 1,
-                         ngram_max: int = 3, ngram_min: int = 1) -> SpeculativeOutput:
+                         ngram_max: int = 3, ngram_min: int = 1,
+                         tokenizer: Any = None) -> SpeculativeOutput:
     """Speculative decoding (DESIGN.md `jd.speculative_generate`); see the module docstring.
 
     draft: a DecoderModel with the target's vocabulary, or "prompt_lookup" (draft_params is then
     ignored). Each row's length comes from its max_tokens, its randomness from its seed (`key`
     serves rows with seed=None, as in `generate`); `n > 1` gives n adjacent rows as in
-    `generate`. Returns a SpeculativeOutput (GenerateOutput + `stats`)."""
+    `generate`; `tokenizer` is needed when a row has a response_format (as in `generate`).
+    Returns a SpeculativeOutput (GenerateOutput + `stats`)."""
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"k: must be an integer >= 1, got {k!r}")
     if num_branches != 1:
@@ -281,7 +313,8 @@ def speculative_generate(target: DecoderModel, target_params: Any,
         raise ValueError(f"ngram_min: must satisfy 1 <= ngram_min <= ngram_max, "
                          f"got {ngram_min}, {ngram_max}")
     rows_in = [sampling] * len(prompt_ids) if isinstance(sampling, SamplingParams) else list(sampling)
-    state, rows_sp, n = decode.prepare(target, target_params, prompt_ids, sampling, None, key)
+    state, rows_sp, n = decode.prepare(target, target_params, prompt_ids, sampling, None, key,
+                                       tokenizer=tokenizer)
     b = len(rows_sp)
     index = np.repeat(np.arange(len(rows_in)), [s.n for s in rows_in]) if rows_in else None
     prompts = [list(prompt_ids[i]) for i in index]
@@ -299,6 +332,8 @@ def speculative_generate(target: DecoderModel, target_params: Any,
                 proposed=jnp.zeros((b,), jnp.int32), accepted=jnp.zeros((b,), jnp.int32),
                 target_tokens=jnp.zeros((b,), jnp.int32), iterations=jnp.zeros((b,), jnp.int32),
                 it=jnp.int32(0), max_iters=jnp.int32(n + 1))
+    if state.grammar is not None:
+        init["gstate"] = state.grammar_state
     if not lookup:
         uniq = [list(p) for p in prompt_ids]
         t = bucket(max(len(p) for p in uniq), target.config.max_len)
@@ -315,11 +350,11 @@ def speculative_generate(target: DecoderModel, target_params: Any,
         init.update(dcache=dcache, lag=jnp.zeros((b,), bool))
     ngrams = tuple(range(ngram_max, ngram_min - 1, -1))
     c = _spec_loop(target, target_params, None if lookup else draft,
-                   None if lookup else draft_params, k, ngrams, init)
+                   None if lookup else draft_params, k, ngrams, init, state.grammar)
 
     finish = np.asarray(c["finish"])
     step = np.asarray(c["step"])
-    failed = (finish == ALL_MASKED) | (finish == MODEL_ERROR)
+    failed = np.isin(finish, FAILED_CODES)
     lengths = np.where(failed, step - 1, step).astype(np.int32)
     hist_out, lp_out = np.asarray(c["hist"]), np.asarray(c["lpbuf"])
     token_ids = np.full((b, n), -1, np.int32)

@@ -229,3 +229,42 @@ def test_speculative_no_recompile_for_new_requests_in_seen_bucket():
                                repetition_penalty=1.1 + i),
              greedy(5, stop_token_ids=(i + 2,), min_tokens=i)])
     assert jd.compilation_count() == before
+
+
+# -- structured output: grammar state through the proposed run and its rollback ------------------
+
+TINY_BYTES = [None, None, b"a", b"b", b"ab", b"x", b"y", b"1", b"2"] + [None] * 7  # vocab 16
+REGEX = {"type": "regex", "pattern": "(a|b|x)+[12]"}
+
+
+def test_speculative_grammar_greedy_equals_target_and_samples_match():
+    pytest.importorskip("outlines_core")
+    tm, tp = llama(3, vocab=16, scale=0.6)
+    dm, dp = llama(4, layers=1, vocab=16, scale=0.6)
+    choice = {"type": "choice", "choices": ["ab1", "x2", "bbb2"]}
+    prompts = [[3, 4, 5], [5, 5], [2], [6, 7, 2]]
+    rows = [greedy(12, response_format=REGEX), greedy(12, response_format=choice),
+            greedy(9, ignore_eos=True), greedy(12, response_format=REGEX, ignore_eos=True)]
+    want = jd.generate(tm, tp, prompts, rows, tokenizer=TINY_BYTES)
+    assert jd.FinishReason.GRAMMAR_COMPLETE in want.finish_reasons
+    # the target as its own draft: whole runs are accepted, so every position of a pass is
+    # masked with its own state along the path (a weak draft mostly tests position 1 only)
+    for dm_, dp_ in ((tm, tp), (dm, dp), (LOOKUP, None)):
+        out = jd.speculative_generate(tm, tp, dm_, dp_, prompts, rows, k=3, tokenizer=TINY_BYTES)
+        for r in range(len(prompts)):
+            assert out.tokens(r) == want.tokens(r), r
+        assert out.finish_reasons == want.finish_reasons
+        check_counters(out, 3)
+        if dm_ is tm:
+            assert out.stats["accepted"].sum() > out.stats["target_tokens"].sum()
+    # sampled: every output is in the language (the residual keeps the mask), none overshoots
+    sp = jd.SamplingParams(n=64, seed=5, max_tokens=12, response_format=REGEX, ignore_eos=True)
+    out = jd.speculative_generate(tm, tp, tm, tp, [[3, 4]], sp, k=3, tokenizer=TINY_BYTES)
+    import re
+    for r in range(64):
+        text = b"".join(TINY_BYTES[t] for t in out.tokens(r)).decode()
+        if out.finish_reasons[r] == jd.FinishReason.GRAMMAR_COMPLETE:
+            assert re.fullmatch(REGEX["pattern"], text), text
+        else:
+            assert out.finish_reasons[r] == jd.FinishReason.MAX_OUTPUT_TOKENS
+            assert re.fullmatch("(a|b|x|ab)*", text) and out.lengths[r] == 12, text
