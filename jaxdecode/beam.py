@@ -39,6 +39,12 @@ Results: the pool is kept sorted, so `token_ids` is the best hypothesis of each 
 `beams[row]` lists (token ids, score) of the first `num_return_sequences` hypotheses (HF's
 `sequences` / `sequences_scores` order). Token lists include the EOS id that ended a beam.
 `logprobs` holds the raw model log-probability of each token of the best beam.
+
+Structured output (`response_format`, jaxdecode/constraints): the shared tables stay outside
+the beams; each beam carries its grammar state, gathered with the same parent indices as the
+cache; the grammar mask is applied to the log-probabilities (as a logits processor, like the
+min_new_tokens mask); a hypothesis whose grammar completes is finished like one ending on EOS
+(finish reason `grammar_complete`). HF has no counterpart, so this part has no parity test.
 """
 
 from __future__ import annotations
@@ -50,7 +56,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdecode import decode
+from jaxdecode import constraints, decode
 from jaxdecode.config import SamplingParams
 from jaxdecode.decode import GenerateOutput, bucket
 from jaxdecode.model_api import DecoderModel, KVCache
@@ -77,8 +83,9 @@ def _gather(x: Array, idx: Array) -> Array:
 def _beam_loop(model: DecoderModel, params: Any, cache: KVCache, logits: Array,
                width: int, buffer_len: int, num_candidates: int, early_stopping: EarlyStopping,
                widths: Array, max_new: Array, min_new: Array, length_penalty: Array,
-               eos_mask: Array):
+               eos_mask: Array, gtables=None, gstate=None, row_eos=None):
     b, v = logits.shape
+    constrained = gtables is not None   # static: a response_format was given
     w, nb, k = width, buffer_len, num_candidates
     es_true = early_stopping is True
     es_never = early_stopping == "never"
@@ -99,12 +106,18 @@ def _beam_loop(model: DecoderModel, params: Any, cache: KVCache, logits: Array,
         pool_tok=jnp.full((b, w, nb), -1, jnp.int32), pool_lp=jnp.zeros((b, w, nb), jnp.float32),
         pool_score=jnp.where(valid, NEG, -jnp.inf).astype(jnp.float32),
         pool_len=jnp.zeros((b, w), jnp.int32), pool_fin=jnp.zeros((b, w), bool),
-        unsat=jnp.ones((b,), bool))
+        unsat=jnp.ones((b,), bool), pool_complete=jnp.zeros((b, w), bool))
+    if constrained:  # per beam; gathered with the same parent indices as the cache
+        carry["gstate"] = jnp.repeat(gstate[:, None], w, axis=1)
+        beam_eos = jnp.repeat(row_eos, w, axis=0)
 
     def body(c):
         t = c["t"]
         logp = jax.nn.log_softmax(c["logits"].astype(jnp.float32), axis=-1).reshape(b, w, v)
         masked = jnp.where((t < min_new) & eos_mask[None, None, :], -jnp.inf, logp)
+        if constrained:  # the grammar mask, on the log-probabilities like min_new_tokens
+            masked = constraints.mask_logits(masked.reshape(b * w, v), gtables,
+                                             c["gstate"].reshape(-1), beam_eos).reshape(b, w, v)
         acc = (masked + c["run_score"][:, :, None]).reshape(b, w * v)
         cand_score, cand_idx = jax.lax.top_k(acc, k)                      # [B, K], sorted
         src = (cand_idx // v).astype(jnp.int32)
@@ -113,6 +126,12 @@ def _beam_loop(model: DecoderModel, params: Any, cache: KVCache, logits: Array,
         cand_tok = _gather(c["run_tok"], src).at[:, :, t].set(tok)         # [B, K, NB]
         cand_lp = _gather(c["run_lp"], src).at[:, :, t].set(tok_lp)
         fin = eos_mask[tok] | (t + 1 >= max_new)
+        complete = jnp.zeros_like(fin)
+        if constrained:  # a completed grammar ends the hypothesis like EOS
+            cand_g = constraints.next_state(gtables, _gather(c["gstate"], src).reshape(-1),
+                                            tok.reshape(-1)).reshape(b, k)
+            complete = constraints.completes(gtables, cand_g.reshape(-1)).reshape(b, k)
+            fin = fin | complete
 
         # running beams: the W best unfinished candidates
         run_cand = cand_score + jnp.where(fin, NEG, 0.0)
@@ -136,6 +155,7 @@ def _beam_loop(model: DecoderModel, params: Any, cache: KVCache, logits: Array,
         pool_lp = _gather(jnp.concatenate([c["pool_lp"], cand_lp], axis=1), pick)
         pool_len = _gather(m_len, pick)
         pool_fin = _gather(jnp.concatenate([c["pool_fin"], did], axis=1), pick) & valid
+        pool_complete = _gather(jnp.concatenate([c["pool_complete"], complete], axis=1), pick)
 
         # can a running beam still beat the worst finished one? (HF's heuristic, cumulative)
         hyp_len = jnp.where(es_never & (lp > 0), max_new.astype(jnp.float32), length)
@@ -156,19 +176,24 @@ def _beam_loop(model: DecoderModel, params: Any, cache: KVCache, logits: Array,
 
         cache, new_logits = jax.lax.cond(go, advance, lambda cache: (cache, c["logits"]),
                                          c["cache"])
-        return dict(t=t + 1, go=go, cache=cache, logits=new_logits, run_tok=run_tok,
-                    run_lp=run_lp, run_score=run_score, pool_tok=pool_tok, pool_lp=pool_lp,
-                    pool_score=pool_score, pool_len=pool_len, pool_fin=pool_fin, unsat=unsat)
+        out = dict(t=t + 1, go=go, cache=cache, logits=new_logits, run_tok=run_tok,
+                   run_lp=run_lp, run_score=run_score, pool_tok=pool_tok, pool_lp=pool_lp,
+                   pool_score=pool_score, pool_len=pool_len, pool_fin=pool_fin, unsat=unsat,
+                   pool_complete=pool_complete)
+        if constrained:
+            out["gstate"] = _gather(cand_g, sel)
+        return out
 
     c = jax.lax.while_loop(lambda c: c["go"], body, carry)
-    return c["pool_tok"], c["pool_lp"], c["pool_score"], c["pool_len"], c["t"]
+    return c["pool_tok"], c["pool_lp"], c["pool_score"], c["pool_len"], c["pool_complete"]
 
 
 def beam_search(model: DecoderModel, params: Any, prompt_ids: Sequence[Sequence[int]], *,
                 num_beams: Union[int, Sequence[int]], length_penalty: float = 1.0,
                 early_stopping: EarlyStopping = False, max_new_tokens: int,
                 num_return_sequences: int = 1, min_new_tokens: int = 0,
-                eos_token_ids: Optional[Sequence[int]] = None) -> GenerateOutput:
+                eos_token_ids: Optional[Sequence[int]] = None,
+                response_format: Optional[dict] = None, tokenizer: Any = None) -> GenerateOutput:
     """Beam search over ragged prompts, entirely on device (DESIGN.md `jd.beam_search`).
 
     num_beams: one width for every row, or one per row (padded to the widest and masked).
@@ -176,6 +201,9 @@ def beam_search(model: DecoderModel, params: Any, prompt_ids: Sequence[Sequence[
     num_return_sequences mean what they mean in HF `generate`; EOS ids default to
     `model.config.eos_token_ids`. Returns a GenerateOutput with the best hypothesis per row and
     `beams[row] = [(token ids, score), ...]` (num_return_sequences of them, best first).
+    `response_format` (with `tokenizer`, as in `generate`) constrains every row: the grammar
+    mask applies to the log-probabilities, each beam carries its own grammar state, and a
+    hypothesis whose grammar completes is finished like one that ends on EOS.
     """
     b = len(prompt_ids) if prompt_ids else 0
     widths = [num_beams] * b if isinstance(num_beams, (int, np.integer)) else list(num_beams)
@@ -202,18 +230,22 @@ def beam_search(model: DecoderModel, params: Any, prompt_ids: Sequence[Sequence[
     eos = tuple(dict.fromkeys(int(i) for i in eos if 0 <= int(i) < cfg.vocab_size))
 
     # validation of the prompts and the prefill (once per prompt) are `generate`'s
-    sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-    state, _, _ = decode.prepare(model, params, prompt_ids, sp, n, None)
+    sp = SamplingParams(temperature=0.0, max_tokens=n, response_format=response_format)
+    state, _, _ = decode.prepare(model, params, prompt_ids, sp, n, None, eos_token_ids=eos,
+                                 tokenizer=tokenizer)
     eos_mask = np.zeros((cfg.vocab_size,), bool)
     eos_mask[list(eos)] = True
     width = max(widths)
     num_candidates = max(2, 1 + len(eos)) * width
     buffer_len = bucket(n)
-    tok, lps, score, length, _ = _beam_loop(
+    grammar = {} if state.grammar is None else dict(
+        gtables=state.grammar, gstate=state.grammar_state, row_eos=state.rows.eos_mask)
+    tok, lps, score, length, complete = _beam_loop(
         model, params, state.cache, state.logits, width, buffer_len, num_candidates,
         early_stopping, np.asarray(widths, np.int32), np.int32(n), np.int32(min_new_tokens),
-        np.float32(length_penalty), eos_mask)
-    tok, lps, score, length = (np.asarray(x) for x in (tok, lps, score, length))
+        np.float32(length_penalty), eos_mask, **grammar)
+    tok, lps, score, length, complete = (np.asarray(x) for x in (tok, lps, score, length,
+                                                                  complete))
 
     token_ids = np.full((b, n), -1, np.int32)
     logprobs = np.zeros((b, n), np.float32)
@@ -226,6 +258,7 @@ def beam_search(model: DecoderModel, params: Any, prompt_ids: Sequence[Sequence[
         beams.append([(tok[r, j, : length[r, j]].tolist(), float(score[r, j]))
                       for j in range(num_return_sequences)])
         ended_on_eos = ln > 0 and int(tok[r, 0, ln - 1]) in eos
-        reasons.append(FinishReason.EOS if ended_on_eos else FinishReason.MAX_OUTPUT_TOKENS)
+        reasons.append(FinishReason.EOS if ended_on_eos else FinishReason.GRAMMAR_COMPLETE
+                       if complete[r, 0] else FinishReason.MAX_OUTPUT_TOKENS)
     return GenerateOutput(token_ids=token_ids, lengths=lengths, finish_reasons=reasons,
                           errors=[None] * b, logprobs=logprobs, beams=beams)

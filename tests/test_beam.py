@@ -197,3 +197,33 @@ def test_beam_search_no_recompile_for_new_requests_in_seen_bucket():
         jd.beam_search(model, {}, [[2, 1], [0]], num_beams=[3, 1 + i], max_new_tokens=3 + i,
                        length_penalty=0.5 * i, min_new_tokens=i)
     assert jd.compilation_count() == before
+
+
+def test_beam_search_structured_output():
+    pytest.importorskip("outlines_core")
+    import re
+
+    from models import Llama, LlamaConfig
+
+    tiny_bytes = [None, None, b"a", b"b", b"ab", b"x", b"y", b"1", b"2"] + [None] * 7
+    regex = {"type": "regex", "pattern": "(a|b|x)+[12]"}
+    cfg = LlamaConfig(vocab_size=16, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+                      max_len=64, hidden_size=32, intermediate_size=64, eos_token_ids=(1,))
+    model = Llama(cfg)
+    params = model.init_params(jax.random.key(3), scale=0.6)
+    prompts = [[3, 4, 5], [6, 2]]
+    greedy = jd.generate(model, params, prompts, jd.SamplingParams(
+        temperature=0.0, max_tokens=10, response_format=regex), tokenizer=tiny_bytes)
+    one = jd.beam_search(model, params, prompts, num_beams=1, max_new_tokens=10,
+                         response_format=regex, tokenizer=tiny_bytes)
+    assert [one.tokens(r) for r in range(2)] == [greedy.tokens(r) for r in range(2)]
+    assert one.finish_reasons == greedy.finish_reasons
+    assert jd.FinishReason.GRAMMAR_COMPLETE in one.finish_reasons
+    out = jd.beam_search(model, params, prompts, num_beams=3, max_new_tokens=10,
+                         num_return_sequences=3, response_format=regex, tokenizer=tiny_bytes)
+    for r in range(2):
+        for tokens, _ in out.beams[r]:
+            text = b"".join(tiny_bytes[t] for t in tokens if t != 1).decode()
+            assert re.fullmatch("(a|b|x|ab)+[12]?", text), text
+            if len(tokens) < 10:      # ended early: by completion or EOS, in the language
+                assert re.fullmatch(regex["pattern"], text), text
