@@ -164,6 +164,91 @@ def format_table(report: dict) -> str:
     return "\n".join(lines)
 
 
+# -- search and speculation (SPEC §10) ----------------------------------------------------------
+
+def _timed(fn, repeats: int) -> tuple[float, Any]:
+    result = fn()  # warm-up (compiles)
+    return _median_time(fn, repeats), result
+
+
+def time_beam_search(model, params, cfg: BenchConfig, batch: int = 1, num_beams: int = 4,
+                     prompt_ids: Optional[Sequence[Sequence[int]]] = None) -> dict:
+    """Beam search against greedy decoding on the same prompts and model.
+
+    EOS is disabled for both (every beam runs to `new_tokens`), so the work is fixed:
+    tokens_per_s counts output tokens of the returned sequences (batch * new_tokens / s);
+    beam_row_tokens_per_s counts every beam's tokens (x num_beams)."""
+    from jaxdecode.beam import beam_search
+
+    ids = [list(p) for p in prompt_ids] if prompt_ids is not None else prompts(
+        batch, cfg.prompt_len, model.config.vocab_size, cfg.seed)
+    n = cfg.new_tokens
+    sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    greedy_s, _ = _timed(lambda: generate(model, params, ids, sp).token_ids, cfg.repeats)
+    beam_s, _ = _timed(lambda: beam_search(model, params, ids, num_beams=num_beams,
+                                           max_new_tokens=n, eos_token_ids=()).token_ids,
+                       cfg.repeats)
+    b = len(ids)
+    return {"batch": b, "num_beams": num_beams, "new_tokens": n,
+            "greedy_tokens_per_s": b * n / greedy_s, "beam_tokens_per_s": b * n / beam_s,
+            "beam_row_tokens_per_s": b * num_beams * n / beam_s,
+            "beam_vs_greedy": greedy_s / beam_s}
+
+
+def time_speculative(target, target_params, draft=None, draft_params=None,
+                     cfg: Optional[BenchConfig] = None, k: int = 4, batch: int = 1,
+                     prompt_ids: Optional[Sequence[Sequence[int]]] = None,
+                     temperature: float = 0.0) -> dict:
+    """Speculative decoding (a draft model when given, and prompt lookup) against plain decoding
+    of the target, same prompts, same settings (greedy by default: outputs must be identical).
+
+    Reports tokens/s of each, the speed-up, and the mean acceptance length (tokens per target
+    verify pass; 1.0 means the draft never helps) and acceptance rate (accepted / proposed)."""
+    from jaxdecode.speculative import PROMPT_LOOKUP, speculative_generate
+
+    cfg = cfg or BenchConfig()
+    ids = [list(p) for p in prompt_ids] if prompt_ids is not None else prompts(
+        batch, cfg.prompt_len, target.config.vocab_size, cfg.seed)
+    n = cfg.new_tokens
+    sp = SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True, seed=cfg.seed)
+    base_s, base = _timed(lambda: generate(target, target_params, ids, sp), cfg.repeats)
+    b = len(ids)
+    report = {"batch": b, "k": k, "new_tokens": n, "temperature": temperature,
+              "plain_tokens_per_s": b * n / base_s, "kinds": {}}
+    kinds = [(PROMPT_LOOKUP, PROMPT_LOOKUP, None)]
+    if draft is not None:
+        kinds.insert(0, ("draft_model", draft, draft_params))
+    for name, d, dp in kinds:
+        secs, out = _timed(lambda: speculative_generate(target, target_params, d, dp, ids, sp,
+                                                        k=k), cfg.repeats)
+        s = out.stats
+        report["kinds"][name] = {
+            "tokens_per_s": b * n / secs, "speedup": base_s / secs,
+            "mean_accepted_length": s["mean_accepted_length"],
+            "acceptance_rate": float(s["accepted"].sum() / max(1, s["proposed"].sum())),
+            "same_tokens_as_plain": bool((out.token_ids == base.token_ids).all())}
+    return report
+
+
+def format_search(beam: Optional[dict] = None, spec: Optional[dict] = None) -> str:
+    lines = []
+    if beam:
+        lines.append(f"beam search (batch {beam['batch']}, {beam['num_beams']} beams, "
+                     f"{beam['new_tokens']} tokens): {beam['beam_tokens_per_s']:.1f} tok/s vs "
+                     f"greedy {beam['greedy_tokens_per_s']:.1f} tok/s "
+                     f"({beam['beam_vs_greedy']:.2f}x); all beams "
+                     f"{beam['beam_row_tokens_per_s']:.1f} tok/s")
+    if spec:
+        lines.append(f"speculative (batch {spec['batch']}, k={spec['k']}, T={spec['temperature']}): "
+                     f"plain {spec['plain_tokens_per_s']:.1f} tok/s")
+        lines.append("| draft | tok/s | speed-up | mean accepted length | acceptance | same tokens |")
+        lines.append("|---|---:|---:|---:|---:|---|")
+        for name, r in spec["kinds"].items():
+            lines.append(f"| {name} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | "
+                         f"{r['mean_accepted_length']:.2f} | {r['acceptance_rate']:.2f} | "
+                         f"{r['same_tokens_as_plain']} |")
+
+
 # -- host pipeline cost (issue #3) --------------------------------------------------------------
 
 def _stop_strings(n: int) -> list[str]:
