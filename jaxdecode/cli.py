@@ -70,6 +70,8 @@ def cmd_generate(args) -> int:
     sp = sampling_from_args(args)
     model, params, tokenizer = load_model(args.model)
     prompt_ids = encode(tokenizer, prompt)
+    if args.num_beams > 1:
+        return _generate_beams(args, model, params, tokenizer, prompt, prompt_ids, sp)
     max_len = min(model.config.max_len, bucket(len(prompt_ids) + sp.max_tokens + 1))
     stream = not (args.no_stream or args.json)
     t0 = time.perf_counter()
@@ -105,6 +107,36 @@ def cmd_generate(args) -> int:
         print(f"[{status}; {done.usage.selected_tokens} tokens in {elapsed:.2f}s, "
               f"first text after {first_delta_s or 0:.2f}s]", file=sys.stderr)
     return 0 if done.error is None else 1
+
+
+def _generate_beams(args, model, params, tokenizer, prompt, prompt_ids, sp) -> int:
+    """Beam search on device (`jd.beam_search`): the best hypothesis, or every returned beam
+    with its score under --json. Not streamed (beams are only final at the end)."""
+    from jaxdecode.beam import beam_search
+    from jaxdecode.host import TextPipeline
+
+    if args.record:
+        raise SystemExit("--record: records cover sampled and greedy generation, not beams")
+    try:
+        out = beam_search(model, params, [prompt_ids], num_beams=args.num_beams,
+                          max_new_tokens=sp.max_tokens, num_return_sequences=args.num_beams)
+    except ValueError as e:
+        raise SystemExit(f"--{str(e).split(':')[0].replace('_', '-')}: {e}")
+    eos = set(model.config.eos_token_ids)
+
+    def text(ids):
+        pipe = TextPipeline(tokenizer, prompt_ids=prompt_ids, stop=sp.stop, errors="replace")
+        shown = "".join(pipe.push(t).text for t in ids if t not in eos and not pipe.done)
+        return shown + pipe.finish("eos").text
+
+    beams = [{"text": text(ids), "token_ids": list(ids), "score": float(score)}
+             for ids, score in out.beams[0]]
+    if args.json:
+        print(json.dumps({"beams": beams,
+                          "finish_reason": out.finish_reasons[0].value}, ensure_ascii=False))
+    else:
+        print(prompt + beams[0]["text"])
+    return 0
 
 
 def cmd_replay(args) -> int:
@@ -273,6 +305,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", help="a stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--num-beams", type=int, default=1,
+                   help="beam search with this width (jd.beam_search; printed at the end)")
     g.add_argument("--no-stream", action="store_true", help="print the text once at the end")
     g.add_argument("--json", action="store_true", help="print one JSON object with text and usage")
     g.add_argument("--record", help="write the generation record (SPEC §11) to this JSON file")
