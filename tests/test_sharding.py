@@ -149,3 +149,15 @@ def test_cache_rule_and_fallback():
     assert fit_spec(rule, (2, 8, 4, 16, 8), mesh) == P(None, "data", "model")
     assert fit_spec(rule, (2, 3, 2, 16, 8), mesh) == P()  # neither divides: replicated
     assert fit_spec(("model",), (6,), AbstractMesh((3,), ("data",))) == P()  # axis missing
+
+
+def test_parse_mesh_and_serve_flag():
+    mesh = sharding.parse_mesh("data=1,model=1")
+    assert dict(mesh.shape) == {"data": 1, "model": 1}
+    assert dict(sharding.parse_mesh("").shape) == {"data": 1, "model": jax.device_count()}
+    for bad in ("foo=2", "data=x", f"data={jax.device_count() + 1}"):
+        with pytest.raises(ValueError):
+            sharding.parse_mesh(bad)
+    from jaxdecode.cli import build_parser
+    args = build_parser().parse_args(["serve", "--mesh", "data=1,model=1"])
+    assert args.mesh == "data=1,model=1"
