@@ -84,10 +84,18 @@ def main(args: Any) -> int:
     if tokenizer is None:
         raise SystemExit(f"--model: {args.model!r} has no tokenizer files; the server needs one")
     max_len = args.max_len or min(model.config.max_len, 4096)
+    mesh = None
+    if getattr(args, "mesh", None):
+        from models.sharding import parse_mesh, shard_params
+        try:
+            mesh = parse_mesh(args.mesh)
+        except ValueError as e:
+            raise SystemExit(f"--mesh: {e}")
+        params = shard_params(params, mesh)
     api_key: Optional[str] = args.api_key or os.environ.get("JAXDECODE_API_KEY") or None
     try:
         llm = LLM(model, params, tokenizer, max_slots=args.max_slots, max_len=max_len,
-                  max_queue=args.max_queue, model_source=args.model)
+                  max_queue=args.max_queue, model_source=args.model, mesh=mesh)
     except ValueError as e:
         raise SystemExit(f"--{str(e).split(':')[0].replace('_', '-')}: {e}")
     name = args.model_name or (args.model if args.model == "demo"
@@ -135,5 +143,7 @@ def add_arguments(p: Any) -> None:
                    help="include prompts and outputs in the logs (off by default)")
     p.add_argument("--warmup", action="store_true",
                    help="compile every engine shape before accepting requests")
+    p.add_argument("--mesh", default=None, metavar="data=N,model=M",
+                   help="shard over a device mesh (docs/sharding.md); default: one device")
     p.add_argument("--log-level", default="info",
                    choices=("debug", "info", "warning", "error"))
