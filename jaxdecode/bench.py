@@ -247,6 +247,7 @@ def format_search(beam: Optional[dict] = None, spec: Optional[dict] = None) -> s
             lines.append(f"| {name} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | "
                          f"{r['mean_accepted_length']:.2f} | {r['acceptance_rate']:.2f} | "
                          f"{r['same_tokens_as_plain']} |")
+    return "\n".join(lines)
 
 
 # -- host pipeline cost (issue #3) --------------------------------------------------------------
@@ -578,6 +579,10 @@ def write_report(report: dict, out_dir: str) -> list[str]:
         md.append("")
     for key, title in (("host_cost", "Host pipeline cost per token"),
                        ("engine", "Engine with streaming vs the raw jitted loop"),
+                       ("recompiles", "Recompilations after warm-up (mixed engine requests)"),
+                       ("beam", "Beam search vs greedy"),
+                       ("speculative", "Speculative decoding vs plain (demo model and draft)"),
+                       ("constraints", "Structured output: step time and index compile time"),
                        ("compiles", "Compilations")):
         if report.get(key) is not None:
             md += [f"## {title}", "", "```", json.dumps(report[key], indent=2, default=str), "```",
@@ -588,3 +593,34 @@ def write_report(report: dict, out_dir: str) -> list[str]:
         f.write("\n".join(md) + "\n")
     written.append(path)
     return written
+
+
+def recompiles_after_warmup(model, params, tokenizer, requests: int = 1000, max_slots: int = 8,
+                            max_len: int = 512, max_prompt_len: int = 64, seed: int = 0) -> dict:
+    """`LLM.warmup`, then `requests` mixed requests (prompt lengths, output lengths, sampling
+    settings, stop strings, arrival pattern): the compilations after warm-up must be zero."""
+    import random
+
+    from jaxdecode.engine import LLM
+
+    rng = random.Random(seed)
+    vocab = model.config.vocab_size
+    with LLM(model, params, tokenizer, max_slots=max_slots, max_len=max_len) as llm:
+        t0 = time.perf_counter()
+        warm = llm.warmup(max_prompt_len)
+        warm_s = time.perf_counter() - t0
+        before = compilation_count()
+        handles = []
+        for i in range(requests):
+            prompt = [rng.randrange(1, vocab) for _ in range(rng.randint(1, max_prompt_len))]
+            sp = SamplingParams(max_tokens=rng.randint(1, 24), seed=i, utf8_errors="replace",
+                                temperature=rng.choice([0.0, 0.7, 1.0]),
+                                top_k=rng.choice([0, 20]), top_p=rng.choice([1.0, 0.9]),
+                                repetition_penalty=rng.choice([1.0, 1.1]),
+                                stop=rng.choice([(), ("\n\n",)]))
+            handles.append(llm.submit(prompt, sp, block=True))
+            if rng.random() < 0.05:
+                time.sleep(0.002)
+        ended = sum(h.result(timeout=600).finish_reason is not None for h in handles)
+    return {"requests": requests, "ended": ended, "warmup_compiles": warm,
+            "warmup_s": warm_s, "compiles_after_warmup": compilation_count() - before}

@@ -238,8 +238,23 @@ def cmd_bench(args) -> int:
             lengths = (128, 256) if args.quick else (128, 256, 512, 1024, 2048)
             report["ttft"] = bench.ttft(model, params, lengths, hf, args.hf_threads,
                                         repeats=cfg.repeats)
-    report["model_spec"] = args.model
+            report["beam"] = bench.time_beam_search(model, params, cfg, num_beams=4)
     text = [bench.format_table(report)]
+    if args.report and not args.quick:
+        import models
+        from models.demo import DEMO_DIR
+
+        target, target_params, tokenizer = models.demo()
+        draft = (models.demo("draft")
+                 if os.path.exists(os.path.join(DEMO_DIR, "draft.safetensors")) else None)
+        ids = [tokenizer.encode("def fibonacci(n):\n    ").ids]
+        report["speculative"] = bench.time_speculative(
+            target, target_params, *(draft[:2] if draft else (None, None)),
+            cfg=dataclasses.replace(cfg, new_tokens=64), k=4, prompt_ids=ids)
+        report["constraints"] = bench.time_constraints(target, target_params, tokenizer)
+        text += [bench.format_search(report["beam"], report["speculative"]),
+                 bench.format_constraints_table(report["constraints"])]
+    report["model_spec"] = args.model
     if args.host_cost or args.engine:
         # the host pipeline needs a real tokenizer: the checkpoint's, else the demo model's; a
         # named config is rebuilt with the demo tokenizer's vocabulary (same shapes otherwise)
@@ -270,6 +285,11 @@ def cmd_bench(args) -> int:
             report["engine"] = [bench.engine_vs_raw(model, params, tokenizer, b, cfg.new_tokens,
                                                     repeats=max(cfg.repeats, 5))
                                 for b in cfg.batches]
+            if args.report:
+                report["recompiles"] = bench.recompiles_after_warmup(
+                    model, params, tokenizer, requests=100 if args.quick else 1000)
+                text.append(f"compilations after warm-up across {report['recompiles']['requests']}"
+                            f" mixed engine requests: {report['recompiles']['compiles_after_warmup']}")
             text += [f"engine with streaming vs raw loop ({spec}, batch {r['batch']}): "
                      f"{r['engine_tokens_per_s']:.0f} vs {r['raw_tokens_per_s']:.0f} tok/s = "
                      f"{r['fraction'] * 100:.0f}%" for r in report["engine"]]
