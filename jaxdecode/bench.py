@@ -12,6 +12,7 @@ import dataclasses
 import os
 import platform
 import statistics
+import sys
 import time
 from typing import Any, Optional, Sequence
 
@@ -94,6 +95,8 @@ def time_jaxdecode(model, params, batch: int, cfg: BenchConfig) -> dict:
     total = _median_time(lambda: run(sp), cfg.repeats)
     part = _median_time(lambda: run(short), cfg.repeats)
     step = (total - part) / (cfg.new_tokens - cfg.new_tokens // 8)
+    if step <= 0:  # too few tokens to separate the prefill: fall back to the plain average
+        step = total / cfg.new_tokens
     return {"seconds": total, "tokens_per_s": batch * cfg.new_tokens / total,
             "step_ms": step * 1e3, "compiles_warmup": warm_compiles,
             "compiles_after_warmup": compilation_count() - c1}
@@ -128,7 +131,9 @@ def run(model, params, cfg: BenchConfig, hf_model=None, hf_threads: Optional[int
     report["gemv_bandwidth_gb_s"] = bw / 1e9
     report["roofline_step_ms"] = report["step_bytes"] / bw * 1e3
     rows = []
-    for batch in cfg.batches:
+    from tqdm.auto import tqdm
+
+    for batch in tqdm(cfg.batches, desc="bench", unit="batch", file=sys.stderr):
         row = {"batch": batch, "jaxdecode": time_jaxdecode(model, params, batch, cfg)}
         if hf_model is not None:
             row["hf"] = time_hf(hf_model, batch, cfg, model.config.vocab_size,

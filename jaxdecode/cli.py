@@ -26,6 +26,10 @@ BENCH_CONFIGS = {
     "llama-512": dict(vocab_size=8192, hidden_size=512, intermediate_size=1376,
                       num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8,
                       max_position_embeddings=2048, rms_norm_eps=1e-5),
+    # For accelerators (the default there): TinyLlama-like, ~1.1B parameters, run in bf16.
+    "llama-1b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
+                     num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4,
+                     max_position_embeddings=2048, rms_norm_eps=1e-5),
     "llama-tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128,
                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                        max_position_embeddings=256, rms_norm_eps=1e-5),
@@ -181,7 +185,8 @@ def _bench_model(spec: str, compare_hf: bool, workdir: str):
             import jax
 
             model = models.Llama(_llama_config(spec))
-            return model, model.init_params(jax.random.key(0)), None
+            dtype = jax.numpy.bfloat16 if spec == "llama-1b" else jax.numpy.float32
+            return model, model.init_params(jax.random.key(0), dtype=dtype), None
         import torch
         import transformers
 
@@ -213,14 +218,21 @@ def cmd_bench(args) -> int:
     import sysconfig
     import tempfile
 
+    import jax
+
     from jaxdecode import bench
     from jaxdecode.decode import compilation_count
 
+    if args.model is None:  # size the configuration to the backend
+        args.model = "llama-512" if jax.default_backend() == "cpu" else "llama-1b"
+    if args.compare_hf and jax.default_backend() != "cpu":
+        print("--compare-hf: the HF column runs PyTorch on the CPU only", file=sys.stderr)
+        args.compare_hf = False
     if args.report:  # the full report: every section, HF side by side when torch is there
         args.host_cost = args.engine = True
         try:
             import torch  # noqa: F401
-            args.compare_hf = True
+            args.compare_hf = jax.default_backend() == "cpu"
         except ImportError:
             print("torch is not installed: the report has no HF column", file=sys.stderr)
     default_batches = (1, 4) if args.quick else ((1, 4, 16, 32) if args.report else (1, 16))
@@ -342,8 +354,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_serve)
 
     b = sub.add_parser("bench", help="decode throughput, side by side with HF PyTorch")
-    b.add_argument("--model", default="llama-512",
-                   help=f"DIR, 'demo', or a named config: {', '.join(BENCH_CONFIGS)}")
+    b.add_argument("--model", default=None,
+                   help=f"DIR, 'demo', or a named config: {', '.join(BENCH_CONFIGS)} (default: "
+                        "llama-512 on CPU, llama-1b in bf16 on an accelerator)")
     b.add_argument("--batch", type=int, action="append", help="batch size (repeatable)")
     b.add_argument("--prompt-len", type=int, default=16)
     b.add_argument("--new-tokens", type=int, default=64)
