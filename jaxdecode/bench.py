@@ -247,6 +247,7 @@ def format_search(beam: Optional[dict] = None, spec: Optional[dict] = None) -> s
             lines.append(f"| {name} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | "
                          f"{r['mean_accepted_length']:.2f} | {r['acceptance_rate']:.2f} | "
                          f"{r['same_tokens_as_plain']} |")
+    return "\n".join(lines)
 
 
 # -- host pipeline cost (issue #3) --------------------------------------------------------------
