@@ -245,8 +245,7 @@ class LLM:
                                           exclude_ids=self.eos_token_ids)
             grammar = constraints.compile_format(sp.response_format, vocab)  # cached
         seed = sp.seed if sp.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
-        key = seed_key_data(seed) if sp.n == 1 else np.asarray(
-            jax.random.key_data(jax.random.fold_in(jax.random.key(seed), index)), np.uint32)
+        key = decode.sample_keys(seed_key_data(seed), sp.n)[index]  # as jd.generate does
         rid = request_id or f"req-{next(self._ids)}"
         return RequestHandle(self, rid, prompt_ids, sp, prompt if isinstance(prompt, str) else None,
                              seed, key, prompt_index, index,
