@@ -63,7 +63,9 @@ def apply_truncation(logits: Array, rows: RowParams) -> Array:
         sorted_x = jnp.where(sorted_x < kth, -jnp.inf, sorted_x)
         probs = jax.nn.softmax(sorted_x, axis=-1)
         mass_before = jnp.cumsum(probs, axis=-1) - probs
-        drop = (mass_before >= rows.top_p[:, None]) & (jnp.arange(v)[None, :] > 0)
+        # rows with top_p == 1 keep everything: f32 cumulative sums reach 1 before the tail
+        drop = ((mass_before >= rows.top_p[:, None]) & (rows.top_p[:, None] < 1.0)
+                & (jnp.arange(v)[None, :] > 0))
         sorted_x = jnp.where(drop, -jnp.inf, sorted_x)
         probs = jax.nn.softmax(sorted_x, axis=-1)
         sorted_x = jnp.where(probs < rows.min_p[:, None] * probs[:, :1], -jnp.inf, sorted_x)

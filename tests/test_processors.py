@@ -64,6 +64,16 @@ def test_processors_P3_rows_do_not_affect_each_other():
     np.testing.assert_array_equal(alone[0], batch[1])
 
 
+def test_processors_P3_untruncated_row_keeps_its_tail_beside_truncating_rows():
+    rng = np.random.default_rng(9)
+    logits = (rng.normal(size=(2, 4096)) * 4).astype(np.float32)  # a long, thin tail
+    plain = jd.SamplingParams(temperature=0.7)
+    alone = np.asarray(jd.process_logits(logits[:1], plain))
+    beside = np.asarray(jd.process_logits(logits, [plain, jd.SamplingParams(top_k=5)]))
+    assert np.isfinite(alone).all()
+    np.testing.assert_array_equal(beside[0], alone[0])
+
+
 def test_processors_frequency_presence_openai_semantics():
     logits = np.zeros((1, 8), np.float32)
     history = np.array([[3, 3, 3, 5, -1, -1]])
