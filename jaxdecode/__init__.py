@@ -1,5 +1,6 @@
 """jaxdecode: a JAX/XLA LLM decoder. Pure jitted device core; the host loop owns text and time."""
 
+from jaxdecode.beam import beam_search
 from jaxdecode.config import SamplingParams
 from jaxdecode.consistency import assert_incremental_consistency
 from jaxdecode.decode import GenerateOutput, compilation_count, generate
@@ -7,13 +8,16 @@ from jaxdecode.engine import LLM, EngineClosed, QueueFull, RequestHandle
 from jaxdecode.model_api import DecoderModel, KVCache, ModelConfig
 from jaxdecode.processors import PROCESSOR_ORDER, process_logits
 from jaxdecode.replay import GenerationRecord, ReplayReport, replay
+from jaxdecode.speculative import SpeculativeOutput, speculative_generate
 from jaxdecode.state import StepState
 from jaxdecode.types import (Completion, DecodingError, ErrorCode, Event, FinishReason,
                              RequestState, Usage)
 
 __all__ = [
-    "Completion", "GenerationRecord", "ReplayReport", "replay", "DecoderModel", "DecodingError", "EngineClosed", "LLM", "QueueFull",
-    "RequestHandle", "ErrorCode", "Event", "FinishReason", "GenerateOutput",
-    "KVCache", "ModelConfig", "PROCESSOR_ORDER", "RequestState", "SamplingParams", "StepState",
-    "Usage", "assert_incremental_consistency", "compilation_count", "generate", "process_logits",
+    "Completion", "DecoderModel", "DecodingError", "EngineClosed", "ErrorCode", "Event",
+    "FinishReason", "GenerateOutput", "GenerationRecord", "KVCache", "LLM", "ModelConfig",
+    "PROCESSOR_ORDER", "QueueFull", "ReplayReport", "RequestHandle", "RequestState",
+    "SamplingParams", "SpeculativeOutput", "StepState", "Usage", "assert_incremental_consistency",
+    "beam_search", "compilation_count", "generate", "process_logits", "replay",
+    "speculative_generate",
 ]

@@ -164,6 +164,91 @@ def format_table(report: dict) -> str:
     return "\n".join(lines)
 
 
+# -- search and speculation (SPEC §10) ----------------------------------------------------------
+
+def _timed(fn, repeats: int) -> tuple[float, Any]:
+    result = fn()  # warm-up (compiles)
+    return _median_time(fn, repeats), result
+
+
+def time_beam_search(model, params, cfg: BenchConfig, batch: int = 1, num_beams: int = 4,
+                     prompt_ids: Optional[Sequence[Sequence[int]]] = None) -> dict:
+    """Beam search against greedy decoding on the same prompts and model.
+
+    EOS is disabled for both (every beam runs to `new_tokens`), so the work is fixed:
+    tokens_per_s counts output tokens of the returned sequences (batch * new_tokens / s);
+    beam_row_tokens_per_s counts every beam's tokens (x num_beams)."""
+    from jaxdecode.beam import beam_search
+
+    ids = [list(p) for p in prompt_ids] if prompt_ids is not None else prompts(
+        batch, cfg.prompt_len, model.config.vocab_size, cfg.seed)
+    n = cfg.new_tokens
+    sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    greedy_s, _ = _timed(lambda: generate(model, params, ids, sp).token_ids, cfg.repeats)
+    beam_s, _ = _timed(lambda: beam_search(model, params, ids, num_beams=num_beams,
+                                           max_new_tokens=n, eos_token_ids=()).token_ids,
+                       cfg.repeats)
+    b = len(ids)
+    return {"batch": b, "num_beams": num_beams, "new_tokens": n,
+            "greedy_tokens_per_s": b * n / greedy_s, "beam_tokens_per_s": b * n / beam_s,
+            "beam_row_tokens_per_s": b * num_beams * n / beam_s,
+            "beam_vs_greedy": greedy_s / beam_s}
+
+
+def time_speculative(target, target_params, draft=None, draft_params=None,
+                     cfg: Optional[BenchConfig] = None, k: int = 4, batch: int = 1,
+                     prompt_ids: Optional[Sequence[Sequence[int]]] = None,
+                     temperature: float = 0.0) -> dict:
+    """Speculative decoding (a draft model when given, and prompt lookup) against plain decoding
+    of the target, same prompts, same settings (greedy by default: outputs must be identical).
+
+    Reports tokens/s of each, the speed-up, and the mean acceptance length (tokens per target
+    verify pass; 1.0 means the draft never helps) and acceptance rate (accepted / proposed)."""
+    from jaxdecode.speculative import PROMPT_LOOKUP, speculative_generate
+
+    cfg = cfg or BenchConfig()
+    ids = [list(p) for p in prompt_ids] if prompt_ids is not None else prompts(
+        batch, cfg.prompt_len, target.config.vocab_size, cfg.seed)
+    n = cfg.new_tokens
+    sp = SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True, seed=cfg.seed)
+    base_s, base = _timed(lambda: generate(target, target_params, ids, sp), cfg.repeats)
+    b = len(ids)
+    report = {"batch": b, "k": k, "new_tokens": n, "temperature": temperature,
+              "plain_tokens_per_s": b * n / base_s, "kinds": {}}
+    kinds = [(PROMPT_LOOKUP, PROMPT_LOOKUP, None)]
+    if draft is not None:
+        kinds.insert(0, ("draft_model", draft, draft_params))
+    for name, d, dp in kinds:
+        secs, out = _timed(lambda: speculative_generate(target, target_params, d, dp, ids, sp,
+                                                        k=k), cfg.repeats)
+        s = out.stats
+        report["kinds"][name] = {
+            "tokens_per_s": b * n / secs, "speedup": base_s / secs,
+            "mean_accepted_length": s["mean_accepted_length"],
+            "acceptance_rate": float(s["accepted"].sum() / max(1, s["proposed"].sum())),
+            "same_tokens_as_plain": bool((out.token_ids == base.token_ids).all())}
+    return report
+
+
+def format_search(beam: Optional[dict] = None, spec: Optional[dict] = None) -> str:
+    lines = []
+    if beam:
+        lines.append(f"beam search (batch {beam['batch']}, {beam['num_beams']} beams, "
+                     f"{beam['new_tokens']} tokens): {beam['beam_tokens_per_s']:.1f} tok/s vs "
+                     f"greedy {beam['greedy_tokens_per_s']:.1f} tok/s "
+                     f"({beam['beam_vs_greedy']:.2f}x); all beams "
+                     f"{beam['beam_row_tokens_per_s']:.1f} tok/s")
+    if spec:
+        lines.append(f"speculative (batch {spec['batch']}, k={spec['k']}, T={spec['temperature']}): "
+                     f"plain {spec['plain_tokens_per_s']:.1f} tok/s")
+        lines.append("| draft | tok/s | speed-up | mean accepted length | acceptance | same tokens |")
+        lines.append("|---|---:|---:|---:|---:|---|")
+        for name, r in spec["kinds"].items():
+            lines.append(f"| {name} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | "
+                         f"{r['mean_accepted_length']:.2f} | {r['acceptance_rate']:.2f} | "
+                         f"{r['same_tokens_as_plain']} |")
+
+
 # -- host pipeline cost (issue #3) --------------------------------------------------------------
 
 def _stop_strings(n: int) -> list[str]:
@@ -394,3 +479,112 @@ def format_constraints_table(report: dict) -> str:
                         if k.endswith("_grammar_ops_ms"))
         lines.append(f"batch {row['batch']}: grammar mask + next state alone: {ops}")
     return "\n".join(lines)
+
+
+# -- time to first token (issue #8) -------------------------------------------------------------
+
+def ttft(model, params, lengths: Sequence[int], hf_model=None, hf_threads: Optional[int] = None,
+         repeats: int = 3) -> list[dict]:
+    """Seconds from a prompt of each length to its first token: prefill + one selection (batch 1,
+    greedy), jaxdecode's on-device loop and, when given, HF `generate(max_new_tokens=1)`."""
+    rows = []
+    sp = SamplingParams(temperature=0.0, max_tokens=1)
+    for n in lengths:
+        if n >= model.config.max_len:
+            continue
+        ids = prompts(1, n, model.config.vocab_size, n)
+        first = lambda: generate(model, params, ids, sp).token_ids  # noqa: E731
+        first()
+        row = {"prompt_len": n, "jaxdecode_s": _median_time(first, repeats)}
+        if hf_model is not None:
+            import torch
+
+            torch.set_num_threads(hf_threads or os.cpu_count())
+            tokens = torch.tensor(ids)
+
+            def hf_first():
+                with torch.inference_mode():
+                    hf_model.generate(tokens, attention_mask=torch.ones_like(tokens),
+                                      max_new_tokens=1, do_sample=False, pad_token_id=0)
+
+            hf_first()
+            row["hf_s"] = _median_time(hf_first, repeats)
+        rows.append(row)
+    return rows
+
+
+# -- the report: JSON + PNG plots + a markdown table (issue #8) --------------------------------
+
+def write_report(report: dict, out_dir: str) -> list[str]:
+    """Write report.json, report.md and PNG plots into `out_dir`; returns the paths written."""
+    import json
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(out_dir, exist_ok=True)
+    written = []
+    path = os.path.join(out_dir, "report.json")
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2, default=str)
+    written.append(path)
+
+    rows = report["rows"]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    batches = [r["batch"] for r in rows]
+    ax.plot(batches, [r["jaxdecode"]["tokens_per_s"] for r in rows], "o-", label="jaxdecode")
+    if all("hf" in r for r in rows):
+        ax.plot(batches, [r["hf"]["tokens_per_s"] for r in rows], "s--", label="HF PyTorch")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch")
+    ax.set_ylabel("decode tokens/s")
+    ax.set_title(f"decode throughput ({report['machine']['backend']})")
+    ax.legend()
+    fig.tight_layout()
+    written.append(os.path.join(out_dir, "throughput.png"))
+    fig.savefig(written[-1], dpi=110)
+    plt.close(fig)
+
+    if report.get("ttft"):
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        t = report["ttft"]
+        ax.plot([r["prompt_len"] for r in t], [r["jaxdecode_s"] * 1e3 for r in t], "o-",
+                label="jaxdecode")
+        if all("hf_s" in r for r in t):
+            ax.plot([r["prompt_len"] for r in t], [r["hf_s"] * 1e3 for r in t], "s--",
+                    label="HF PyTorch")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("prompt tokens")
+        ax.set_ylabel("time to first token (ms)")
+        ax.legend()
+        fig.tight_layout()
+        written.append(os.path.join(out_dir, "ttft.png"))
+        fig.savefig(written[-1], dpi=110)
+        plt.close(fig)
+
+    md = ["# jaxdecode performance report", "",
+          f"Produced by `jaxdecode bench --report` on {report['machine']['cpu']} "
+          f"({report['machine']['cores']} cores), backend `{report['machine']['backend']}` "
+          f"({report['machine']['device']}), jax {report['machine']['jax']}. Every figure "
+          "comes from this one run; ratios compare measurements taken side by side.", "",
+          "## Decode throughput", "", format_table(report), ""]
+    if report.get("ttft"):
+        md += ["## Time to first token (batch 1)", "", "| prompt | jaxdecode ms | HF ms |",
+               "|---:|---:|---:|"]
+        md += [f"| {r['prompt_len']} | {r['jaxdecode_s'] * 1e3:.1f} | "
+               f"{r['hf_s'] * 1e3:.1f} |" if "hf_s" in r else
+               f"| {r['prompt_len']} | {r['jaxdecode_s'] * 1e3:.1f} | - |" for r in report["ttft"]]
+        md.append("")
+    for key, title in (("host_cost", "Host pipeline cost per token"),
+                       ("engine", "Engine with streaming vs the raw jitted loop"),
+                       ("compiles", "Compilations")):
+        if report.get(key) is not None:
+            md += [f"## {title}", "", "```", json.dumps(report[key], indent=2, default=str), "```",
+                   ""]
+    md += ["![throughput](throughput.png)"] + (["![ttft](ttft.png)"] if report.get("ttft") else [])
+    path = os.path.join(out_dir, "report.md")
+    with open(path, "w") as f:
+        f.write("\n".join(md) + "\n")
+    written.append(path)
+    return written

@@ -25,7 +25,7 @@ BENCH_CONFIGS = {
     # The reference configuration of issue #2: Llama-like, ~29M parameters, fp32.
     "llama-512": dict(vocab_size=8192, hidden_size=512, intermediate_size=1376,
                       num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8,
-                      max_position_embeddings=512, rms_norm_eps=1e-5),
+                      max_position_embeddings=2048, rms_norm_eps=1e-5),
     "llama-tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128,
                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                        max_position_embeddings=256, rms_norm_eps=1e-5),
@@ -128,6 +128,18 @@ def cmd_replay(args) -> int:
     return 0 if report.identical else 1
 
 
+def _llama_config(name: str):
+    import models
+
+    c = BENCH_CONFIGS[name]
+    return models.LlamaConfig(
+        vocab_size=c["vocab_size"], num_layers=c["num_hidden_layers"],
+        num_heads=c["num_attention_heads"], num_kv_heads=c["num_key_value_heads"],
+        head_dim=c["hidden_size"] // c["num_attention_heads"],
+        max_len=c["max_position_embeddings"], hidden_size=c["hidden_size"],
+        intermediate_size=c["intermediate_size"], rms_norm_eps=c["rms_norm_eps"])
+
+
 def _bench_model(spec: str, compare_hf: bool, workdir: str):
     """(model, params, hf_model or None) on the same weights."""
     import models
@@ -136,13 +148,7 @@ def _bench_model(spec: str, compare_hf: bool, workdir: str):
         if not compare_hf:
             import jax
 
-            c = BENCH_CONFIGS[spec]
-            model = models.Llama(models.LlamaConfig(
-                vocab_size=c["vocab_size"], num_layers=c["num_hidden_layers"],
-                num_heads=c["num_attention_heads"], num_kv_heads=c["num_key_value_heads"],
-                head_dim=c["hidden_size"] // c["num_attention_heads"],
-                max_len=c["max_position_embeddings"], hidden_size=c["hidden_size"],
-                intermediate_size=c["intermediate_size"], rms_norm_eps=c["rms_norm_eps"]))
+            model = models.Llama(_llama_config(spec))
             return model, model.init_params(jax.random.key(0)), None
         import torch
         import transformers
@@ -176,20 +182,47 @@ def cmd_bench(args) -> int:
     import tempfile
 
     from jaxdecode import bench
+    from jaxdecode.decode import compilation_count
 
-    cfg = bench.BenchConfig(batches=tuple(args.batch or (1, 16)), prompt_len=args.prompt_len,
-                            new_tokens=args.new_tokens, repeats=args.repeats)
+    if args.report:  # the full report: every section, HF side by side when torch is there
+        args.host_cost = args.engine = True
+        try:
+            import torch  # noqa: F401
+            args.compare_hf = True
+        except ImportError:
+            print("torch is not installed: the report has no HF column", file=sys.stderr)
+    default_batches = (1, 4) if args.quick else ((1, 4, 16, 32) if args.report else (1, 16))
+    cfg = bench.BenchConfig(batches=tuple(args.batch or default_batches),
+                            prompt_len=args.prompt_len,
+                            new_tokens=16 if args.quick else args.new_tokens,
+                            repeats=1 if args.quick else args.repeats)
     progress = lambda row: print(json.dumps(row), file=sys.stderr)  # noqa: E731
+    c0 = compilation_count()
     with tempfile.TemporaryDirectory() as workdir:
         model, params, hf = _bench_model(args.model, args.compare_hf, workdir)
         report = bench.run(model, params, cfg, hf_model=hf, hf_threads=args.hf_threads,
                            progress=progress)
+        if args.report:
+            lengths = (128, 256) if args.quick else (128, 256, 512, 1024, 2048)
+            report["ttft"] = bench.ttft(model, params, lengths, hf, args.hf_threads,
+                                        repeats=cfg.repeats)
     report["model_spec"] = args.model
     text = [bench.format_table(report)]
     if args.host_cost or args.engine:
-        # the host pipeline needs a real tokenizer: the demo model's (or the checkpoint's)
+        # the host pipeline needs a real tokenizer: the checkpoint's, else the demo model's; a
+        # named config is rebuilt with the demo tokenizer's vocabulary (same shapes otherwise)
         spec = args.model if os.path.isdir(args.model) else "demo"
         model, params, tokenizer = load_model(spec)
+        if args.model in BENCH_CONFIGS:
+            import jax
+
+            import models
+
+            model = models.Llama(dataclasses.replace(
+                _llama_config(args.model), vocab_size=model.config.vocab_size,
+                eos_token_ids=model.config.eos_token_ids))
+            params = model.init_params(jax.random.key(0))
+            spec = f"{args.model}, vocab {model.config.vocab_size}"
         if args.host_cost:
             with open(os.path.join(sysconfig.get_paths()["stdlib"], "json", "decoder.py"),
                       encoding="utf-8") as f:
@@ -208,7 +241,13 @@ def cmd_bench(args) -> int:
             text += [f"engine with streaming vs raw loop ({spec}, batch {r['batch']}): "
                      f"{r['engine_tokens_per_s']:.0f} vs {r['raw_tokens_per_s']:.0f} tok/s = "
                      f"{r['fraction'] * 100:.0f}%" for r in report["engine"]]
+    report["compiles"] = {"total_in_run": compilation_count() - c0,
+                          "after_warmup": [r["jaxdecode"]["compiles_after_warmup"]
+                                           for r in report["rows"]]}
     print("\n".join(text))
+    if args.report:
+        for path in bench.write_report(report, args.report):
+            print(f"wrote {path}")
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
@@ -263,6 +302,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--engine", action="store_true",
                    help="also time the engine with streaming against the raw jitted loop")
     b.add_argument("--json", help="write the report as JSON")
+    b.add_argument("--report", metavar="DIR",
+                   help="every section (HF side by side, time to first token, host cost, "
+                        "engine): report.json, report.md and PNG plots in DIR")
+    b.add_argument("--quick", action="store_true", help="a smoke run in well under 2 minutes")
     b.set_defaults(func=cmd_bench)
     return parser
 

@@ -325,7 +325,45 @@ def prepare(model: DecoderModel, params: Any, prompt_ids: Sequence[Sequence[int]
     state = prefill(model, params, tokens, lengths, rows, cache_len)
     if grammar is not None:  # constraints: tables + initial per-row states
         state = state.replace(grammar_state=jnp.asarray(grammar[1]), grammar=grammar[0].tables)
+    if any(s.n > 1 for s in rows_sp):
+        state, rows_sp = expand_n(state, rows_sp, keys, cfg.vocab_size, eos)
     return state, rows_sp, n
+
+
+def sample_keys(key_data: np.ndarray, n: int) -> np.ndarray:
+    """Key data of the n samples of one request: sample i uses fold_in(request key, i).
+
+    (n == 1 keeps the request key itself, so a single sample is what it always was.)"""
+    if n == 1:
+        return np.asarray(key_data, np.uint32)[None]
+    base = jax.random.wrap_key_data(jnp.asarray(key_data, jnp.uint32))
+    return np.stack([np.asarray(jax.random.key_data(jax.random.fold_in(base, i)), np.uint32)
+                     for i in range(n)])
+
+
+def take_rows(state: StepState, index) -> StepState:
+    """Rows `index` of a StepState (cache gathered along its batch axis, axis 1 of k and v;
+    the shared grammar tables untouched, the per-row grammar_state gathered)."""
+    cache, grammar = state.cache, state.grammar
+    rest = jax.tree.map(lambda x: jnp.take(x, index, axis=0),
+                        state.replace(cache=None, grammar=None))
+    return rest.replace(grammar=grammar,
+                        cache=cache.replace(k=jnp.take(cache.k, index, axis=1),
+                                            v=jnp.take(cache.v, index, axis=1),
+                                            lengths=jnp.take(cache.lengths, index, axis=0)))
+
+
+def expand_n(state: StepState, rows_sp: Sequence[SamplingParams], keys: np.ndarray,
+             vocab_size: int, eos: Sequence[int]):
+    """Parallel sampling (SamplingParams.n): request r becomes n_r adjacent rows that share its
+    prefilled prompt cache (broadcast by a gather after the one prefill), sample i of a request
+    drawing from fold_in(request key, i). Returns (state, per-row SamplingParams)."""
+    index = np.repeat(np.arange(len(rows_sp)), [s.n for s in rows_sp])
+    keys = np.concatenate([sample_keys(k, s.n) for k, s in zip(keys, rows_sp)])
+    rows_sp = [rows_sp[r] for r in index]
+    rows = RowParams.build(rows_sp, vocab_size, eos, keys=keys)
+    state = take_rows(state, jnp.asarray(index, jnp.int32))
+    return state.replace(rows=jax.tree.map(jnp.asarray, rows)), rows_sp
 
 
 def generate(model: DecoderModel, params: Any, prompt_ids: Sequence[Sequence[int]],
@@ -336,6 +374,9 @@ def generate(model: DecoderModel, params: Any, prompt_ids: Sequence[Sequence[int
 
     A row's randomness comes from its seed; `key` serves rows with seed=None (row r uses
     fold_in(key, r)). `max_new_tokens` defaults to the largest max_tokens and caps every row.
+    A request with `n > 1` is prefilled once and returns n adjacent rows (output rows = sum of
+    n over the prompts, in prompt order, samples by index); sample i draws from
+    fold_in(request key, i), so a seeded request's n samples are reproducible.
     `trace=False` drives the same step from a Python loop instead of `lax.while_loop`.
     `tokenizer` is needed when a row has a response_format (jaxdecode/constraints).
     """

@@ -586,6 +586,8 @@ class LLM:
 
     def _sweep_queue(self) -> None:
         """Cancels and deadlines of requests that have not reached a slot yet."""
+        if not self._queue:
+            return
         with self._cond:
             queued = list(self._queue)
         now = time.monotonic()
@@ -701,7 +703,7 @@ class LLM:
         return _Dispatched(out=out, owners=[r if r in live else None for r in owners])
 
     def _process(self, step: _Dispatched) -> None:
-        out = jax.device_get(step.out)
+        tokens, finish = jax.device_get((step.out.token, step.out.finish))
         for r in step.owners:
             if r is not None:
                 r.in_flight -= 1
@@ -711,7 +713,7 @@ class LLM:
             if r.lifecycle.observe_cancel():  # L4: the in-flight result is discarded
                 self._end_cancelled(r)
                 continue
-            token, code = int(out.token[slot]), int(out.finish[slot])
+            token, code = int(tokens[slot]), int(finish[slot])
             if token >= 0:
                 self._on_token(r, token, code)
         self._sweep_slots()

@@ -1,0 +1,373 @@
+"""Speculative decoding on device (SPEC §10): a draft proposes k tokens, the target verifies them
+in one forward pass of k + 1 positions, and the whole generation is one `lax.while_loop`.
+
+Draft kinds
+-----------
+- a draft model (any `DecoderModel` with the target's vocabulary): k proposals from a
+  `lax.scan` of its own single-token steps, sampled from its processed distribution q;
+- `draft="prompt_lookup"` (no draft model): the continuation of the most recent earlier match of
+  the last n-gram (n from `ngram_max` down to `ngram_min`) in prompt + output, extended
+  periodically when the match is close to the end; the last token repeated when nothing matches.
+  It is a deterministic proposal, q = one-hot.
+
+Verification (Leviathan et al. / Chen et al.)
+---------------------------------------------
+p_i and q_i are the PROCESSED distributions of SPEC §3 (`processors.process`: penalties, bias,
+bans, min_tokens, temperature, top-k/p, min-p), each evaluated with the penalty counts and the
+step index of its own position -- the counts are advanced token by token through the proposed
+run, so penalties are exact, not only in penalty-free settings. Draft token d_i is accepted with
+probability min(1, p_i(d_i) / q_i(d_i)); at the first rejection the token is drawn from
+normalize(max(0, p_i - q_i)) (from p_i where that vanishes numerically); when all k are accepted
+a bonus token is drawn from p_{k+1}. Greedy rows (temperature 0) accept a draft token exactly
+when it is the target's argmax, and take the argmax at the first mismatch: their output equals
+plain greedy decoding token for token. A sampled row's output follows the target's distribution
+exactly, but is not the same sample as `jd.generate` with the same seed (different streams).
+
+Keys (SPEC X1)
+--------------
+The token at output index t (1-based) of a row uses `kt = fold_in(request_key, t)` and then
+`fold_in(kt, 0)` to sample the draft proposal, `fold_in(kt, 1)` for the acceptance uniform and
+`fold_in(kt, 2)` to sample from the residual or bonus distribution. Each output index is
+decided in exactly one iteration; proposals for later indices that a rejection discards never
+influence an emitted token, so reusing their keys afterwards keeps the streams independent.
+The stream depends only on the seed and the output index, never on the batch slot.
+
+State, rollback and stops
+-------------------------
+Invariant at the start of an iteration, for s = prompt + output so far (length L): the target
+cache holds s[:-1] (lengths = L - 1) and s[-1] is the pending token -- the verify forward is
+[s[-1], d_1 .. d_k] at positions L-1 .. L-1+k. The draft cache holds s[:-1], or s[:-2] after an
+iteration that accepted all k tokens (its d_k was never written; the next draft call writes two
+tokens). Rollback is setting both caches' `lengths` (never copying). The penalty counts, the
+step index (the RNG cursor) and the history advance only by the emitted tokens.
+Structured output (jaxdecode/constraints): the draft proposes under the grammar mask with its
+own copy of the row's state; the verifier masks position i with the state after d_1 .. d_{i-1}
+(`constraints.state_path`); after the pass the row's state is the one after its last emitted
+token -- rolled back exactly like `cache.lengths` (an int32 per row, tables never copied).
+Within an accepted run every emitted token passes the device stop checks of `decode.py` in the
+same priority (model error, grammar dead end / all masked, EOS, stop id, grammar completion,
+max_tokens, context limit): the first token that ends the row ends the run, and no token past
+it is ever emitted.
+
+`num_branches > 1` (tree / multi-branch drafts) is not supported yet and raises ValueError.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Optional, Sequence, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxdecode import constraints, decode, processors
+from jaxdecode.config import SamplingParams
+from jaxdecode.decode import ERRORS, FAILED_CODES, FINISH_REASONS, GenerateOutput, bucket
+from jaxdecode.model_api import DecoderModel
+from jaxdecode.state import (ALL_MASKED, CONTEXT_LIMIT, EOS, GRAMMAR_COMPLETE, GRAMMAR_DEAD_END,
+                             MAX_TOKENS, MODEL_ERROR, RUNNING, STOP_TOKEN, RowParams)
+
+Array = jax.Array
+PROMPT_LOOKUP = "prompt_lookup"
+DRAFT, ACCEPT, RESAMPLE = 0, 1, 2  # key purposes
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeOutput(GenerateOutput):
+    """GenerateOutput plus acceptance counters, per row (int64[B]):
+
+    proposed: draft tokens proposed (k per verify pass); accepted: draft tokens emitted;
+    target_tokens: tokens drawn from the target (residual or bonus); iterations: verify passes.
+    accepted + target_tokens == number of tokens selected. `mean_accepted_length`: tokens
+    selected per verify pass over all rows (1.0 = no speed-up from the draft)."""
+
+    stats: Optional[dict] = None
+
+
+def _keys(rows: RowParams, t: Array, purpose: int) -> Array:
+    base = jax.vmap(jax.random.wrap_key_data)(rows.keys)
+    kt = jax.vmap(jax.random.fold_in)(base, t)
+    return jax.vmap(lambda k: jax.random.fold_in(k, purpose))(kt)
+
+
+def _select(logprobs: Array, rows: RowParams, keys: Array) -> Array:
+    sampled = jax.vmap(jax.random.categorical)(keys, logprobs)
+    return jnp.where(rows.temperature == 0, jnp.argmax(logprobs, -1), sampled).astype(jnp.int32)
+
+
+def _rowwise(mask: Array, token: Array) -> Array:
+    return jnp.take_along_axis(mask, token[:, None], axis=-1)[:, 0]
+
+
+def _lookup(hist: Array, length: Array, k: int, ngrams: tuple) -> Array:
+    """Prompt-lookup proposals int32[B, k] from the history (prompt + output, length L)."""
+    b, h = hist.shape
+    j = jnp.arange(h)[None, :]
+    start = length - 1                       # fallback: repeat the last token
+    found = jnp.zeros((b,), bool)
+    for n in ngrams:                         # longest n-gram first
+        gram = jnp.take_along_axis(hist, jnp.clip(length[:, None] - n + jnp.arange(n), 0), 1)
+        padded = jnp.pad(hist, ((0, 0), (0, n)), constant_values=-1)
+        match = jnp.ones((b, h), bool)
+        for a in range(n):
+            match &= padded[:, a: a + h] == gram[:, a: a + 1]
+        match &= j <= (length - n - 1)[:, None]          # an earlier occurrence only
+        last = jnp.max(jnp.where(match, j, -1), axis=1)
+        take = ~found & (last >= 0)
+        start = jnp.where(take, last + n, start)
+        found |= take
+    period = jnp.maximum(length - start, 1)
+    idx = start[:, None] + jnp.arange(k)[None, :] % period[:, None]
+    return jnp.take_along_axis(hist, jnp.clip(idx, 0, h - 1), axis=1)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2, 4, 5))
+def _spec_loop(target, tparams, draft, dparams, k: int, ngrams: tuple, init: dict, gtables):
+    rows: RowParams = init["rows"]
+    b, v = init["counts"].shape
+    greedy = rows.temperature == 0
+    max_len = init["tcache"].max_len
+    constrained = gtables is not None   # static: some row has a response_format
+
+    def process_one(lg, c, s, st, g):
+        return processors.process(lg, rows, c, s, st, (gtables, g) if constrained else None)
+
+    process_each = jax.vmap(process_one, in_axes=(1, 1, 1, 1, 1 if constrained else None),
+                            out_axes=1)
+
+    def propose_with_model(c, live):
+        hist, length, lag = c["hist"], c["length"], c["lag"] & live
+        last = jnp.take_along_axis(hist, (length - 1)[:, None], 1)[:, 0]
+        before = jnp.take_along_axis(hist, jnp.maximum(length - 2, 0)[:, None], 1)[:, 0]
+        toks = jnp.where(lag[:, None], jnp.stack([before, last], 1),
+                         jnp.stack([last, jnp.zeros_like(last)], 1))
+        pos = (length - 1 - lag)[:, None] + jnp.arange(2)[None, :]
+        n_in = jnp.where(live, 1 + lag, 0).astype(jnp.int32)
+        logits, dcache = draft.forward(dparams, toks, pos, c["dcache"], lengths=n_in)
+        logit = jnp.take_along_axis(logits, jnp.maximum(n_in - 1, 0)[:, None, None], 1)[:, 0]
+
+        def sample(logit, counts, seen, g, i):
+            # the draft proposes under the grammar mask, with its own copy of the state
+            lq = process_one(logit.astype(jnp.float32), counts, seen, c["step"] + i - 1, g)
+            d = _select(lq, rows, _keys(rows, c["step"] + i, DRAFT))
+            g = constraints.next_state(gtables, g, d) if constrained else g
+            return d, lq, g
+
+        def draft_step(carry, i):
+            logit, counts, seen, g, dcache = carry
+            d, lq, g = sample(logit, counts, seen, g, i)
+            counts = counts.at[jnp.arange(b), d].add(live.astype(jnp.int32))
+            seen = seen.at[jnp.arange(b), d].max(live)
+            logits, dcache = draft.forward(dparams, d[:, None], (length + i - 1)[:, None],
+                                           dcache, lengths=live.astype(jnp.int32))
+            return (logits[:, 0], counts, seen, g, dcache), (d, lq)
+
+        (logit, counts, seen, g, dcache), (ds, lqs) = jax.lax.scan(
+            draft_step, (logit, c["counts"], c["seen"], c.get("gstate"), dcache),
+            jnp.arange(1, k, dtype=jnp.int32))
+        d_k, lq_k, _ = sample(logit, counts, seen, g, k)
+        d = jnp.concatenate([ds.T.reshape(b, k - 1), d_k[:, None]], 1)
+        lq = jnp.concatenate([lqs.transpose(1, 0, 2).reshape(b, k - 1, v), lq_k[:, None]], 1)
+        return d, lq, dcache
+
+    def body(c):
+        live = ~c["done"]
+        length, step = c["length"], c["step"]
+        if draft is None:
+            d = _lookup(c["hist"], length, k, ngrams)
+            lq_d = jnp.zeros((b, k), jnp.float32)
+            q_at = lambda j: jax.nn.one_hot(jnp.take_along_axis(  # noqa: E731
+                jnp.pad(d, ((0, 0), (0, 1)), constant_values=v), j[:, None], 1)[:, 0], v)
+            dcache = None
+        else:
+            d, lq, dcache = propose_with_model(c, live)
+            lq_d = jnp.take_along_axis(lq, d[:, :, None], 2)[:, :, 0]
+            q_at = lambda j: jnp.exp(jnp.take_along_axis(  # noqa: E731
+                jnp.pad(lq, ((0, 0), (0, 1), (0, 0)), constant_values=-jnp.inf),
+                j[:, None, None], 1)[:, 0])
+
+        # target: one forward of [s[-1], d_1 .. d_k]
+        last = jnp.take_along_axis(c["hist"], (length - 1)[:, None], 1)[:, 0]
+        toks = jnp.concatenate([last[:, None], d], 1)
+        pos = (length - 1)[:, None] + jnp.arange(k + 1)[None, :]
+        tlogits, tcache = target.forward(tparams, toks, pos, c["tcache"],
+                                         lengths=jnp.where(live, k + 1, 0).astype(jnp.int32))
+        tlogits = tlogits.astype(jnp.float32)
+        # processed p_1 .. p_{k+1}, with counts advanced through the proposed run
+        onehot = jax.nn.one_hot(d, v, dtype=jnp.int32)
+        before = jnp.concatenate([jnp.zeros((b, 1, v), jnp.int32), jnp.cumsum(onehot, 1)], 1)
+        counts_all = c["counts"][:, None] + before
+        seen_all = c["seen"][:, None] | (before > 0)
+        steps_all = step[:, None] + jnp.arange(k + 1)[None, :]
+        # grammar: position i is masked with the state after d_1 .. d_{i-1}
+        path = constraints.state_path(gtables, c["gstate"], d) if constrained else None
+        lp = process_each(tlogits, counts_all, seen_all, steps_all, path)  # [B, k+1, V]
+
+        # accept / reject
+        lp_d = jnp.take_along_axis(lp[:, :k], d[:, :, None], 2)[:, :, 0]
+        t_idx = step[:, None] + jnp.arange(1, k + 1)[None, :]
+        accept_keys = jax.vmap(lambda t: _keys(rows, t, ACCEPT), in_axes=1, out_axes=1)(t_idx)
+        u = jax.vmap(jax.vmap(jax.random.uniform))(accept_keys)                # [B, k]
+        ratio = jnp.exp(jnp.minimum(lp_d - lq_d, 0.0))
+        ok = jnp.where(greedy[:, None], d == jnp.argmax(lp[:, :k], -1),
+                       (u < ratio) & jnp.isfinite(lq_d))
+        j = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)     # accepted, 0..k
+
+        # the token at position j + 1: residual (j < k) or bonus (j == k) from the target
+        p_log = jnp.take_along_axis(lp, j[:, None, None], 1)[:, 0]
+        resid = jnp.maximum(jnp.exp(p_log) - q_at(j), 0.0)
+        resid_log = jnp.where(jnp.sum(resid, -1, keepdims=True) > 0, jnp.log(resid), p_log)
+        corr = _select(resid_log, rows, _keys(rows, step + j + 1, RESAMPLE))
+        corr = jnp.where(greedy, jnp.argmax(p_log, -1), corr).astype(jnp.int32)
+        i0 = jnp.arange(k + 1)[None, :]
+        emit = jnp.where(i0 < j[:, None], jnp.pad(d, ((0, 0), (0, 1))), corr[:, None])
+
+        # device stops on every candidate token, in decode.finish_codes' priority
+        all_masked = jnp.all(jnp.isneginf(lp), -1)
+        grammar = []
+        if constrained:  # decode.finish_codes' grammar conditions, per position
+            g_next = constraints.next_state(gtables, path.reshape(-1),
+                                            emit.reshape(-1)).reshape(b, k + 1)
+            bound = path >= 0
+            grammar = [(GRAMMAR_DEAD_END, bound & all_masked),
+                       (GRAMMAR_DEAD_END, bound & (g_next == constraints.DEAD)),
+                       (GRAMMAR_COMPLETE, constraints.completes(
+                           gtables, g_next.reshape(-1)).reshape(b, k + 1))]
+        conds = [(MODEL_ERROR, jnp.any(jnp.isnan(tlogits), -1)),
+                 *grammar[:1],
+                 (ALL_MASKED, all_masked),
+                 (EOS, jnp.take_along_axis(rows.eos_mask, emit, axis=1)),
+                 (STOP_TOKEN, jnp.take_along_axis(rows.stop_mask, emit, axis=1)),
+                 *grammar[1:],
+                 (MAX_TOKENS, step[:, None] + i0 + 1 >= rows.max_tokens[:, None]),
+                 (CONTEXT_LIMIT, length[:, None] + i0 >= max_len - 1)]
+        code = jnp.full((b, k + 1), RUNNING, jnp.int32)
+        for value, cond in reversed(conds):
+            code = jnp.where(cond, value, code)
+        code = jnp.where(i0 <= j[:, None], code, RUNNING)
+        stops = code != RUNNING
+        first = jnp.argmax(stops, axis=1)
+        ended = jnp.any(stops, axis=1) & live
+        n_emit = jnp.where(ended, first + 1, j + 1)
+        n_emit = jnp.where(live, n_emit, 0)
+        finish = jnp.take_along_axis(code, first[:, None], 1)[:, 0]
+
+        # commit the emitted tokens; roll back caches by lengths
+        emitted = i0 < n_emit[:, None]
+        h = c["hist"].shape[1]
+        where_to = jnp.where(emitted, length[:, None] + i0, h)
+        hist = c["hist"].at[jnp.arange(b)[:, None], where_to].set(emit, mode="drop")
+        raw = jnp.take_along_axis(jax.nn.log_softmax(tlogits, -1), emit[:, :, None], 2)[..., 0]
+        lpbuf = c["lpbuf"].at[jnp.arange(b)[:, None], where_to].set(raw, mode="drop")
+        add = jnp.sum(jax.nn.one_hot(emit, v, dtype=jnp.int32) * emitted[:, :, None], 1)
+        new_length = length + n_emit
+        tcache = tcache.replace(lengths=jnp.where(live, new_length - 1, c["tcache"].lengths))
+        out = dict(c, hist=hist, lpbuf=lpbuf, length=new_length, step=step + n_emit,
+                   counts=c["counts"] + add, seen=c["seen"] | (add > 0), tcache=tcache,
+                   done=c["done"] | ended, finish=jnp.where(ended, finish, c["finish"]),
+                   proposed=c["proposed"] + k * live, accepted=c["accepted"] + jnp.minimum(j, n_emit),
+                   target_tokens=c["target_tokens"] + (live & (n_emit == j + 1)),
+                   iterations=c["iterations"] + live, it=c["it"] + 1)
+        if constrained:  # the state after the last emitted token; ended rows keep theirs
+            after = jnp.take_along_axis(g_next, jnp.maximum(n_emit - 1, 0)[:, None], 1)[:, 0]
+            out["gstate"] = jnp.where(live & ~ended, after, c["gstate"])
+        if dcache is not None:
+            lag = live & (n_emit == k + 1)
+            dlen = jnp.where(lag, length + k - 1, new_length - 1)
+            out["dcache"] = dcache.replace(lengths=jnp.where(live, dlen, c["dcache"].lengths))
+            out["lag"] = jnp.where(live, lag, c["lag"])
+        return out
+
+    return jax.lax.while_loop(lambda c: ~jnp.all(c["done"]) & (c["it"] < init["max_iters"]),
+                              body, init)
+
+
+def speculative_generate(target: DecoderModel, target_params: Any,
+                         draft: Union[DecoderModel, str], draft_params: Any,
+                         prompt_ids: Sequence[Sequence[int]],
+                         sampling: SamplingParams | Sequence[SamplingParams], *, k: int = 4,
+                         key: Optional[Array] = None, num_branches: int = 1,
+                         ngram_max: int = 3, ngram_min: int = 1,
+                         tokenizer: Any = None) -> SpeculativeOutput:
+    """Speculative decoding (DESIGN.md `jd.speculative_generate`); see the module docstring.
+
+    draft: a DecoderModel with the target's vocabulary, or "prompt_lookup" (draft_params is then
+    ignored). Each row's length comes from its max_tokens, its randomness from its seed (`key`
+    serves rows with seed=None, as in `generate`); `n > 1` gives n adjacent rows as in
+    `generate`; `tokenizer` is needed when a row has a response_format (as in `generate`).
+    Returns a SpeculativeOutput (GenerateOutput + `stats`)."""
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"k: must be an integer >= 1, got {k!r}")
+    if num_branches != 1:
+        raise ValueError(f"num_branches: only 1 is supported (multi-branch drafts are not "
+                         f"implemented yet), got {num_branches!r}")
+    lookup = isinstance(draft, str)
+    if lookup and draft != PROMPT_LOOKUP:
+        raise ValueError(f"draft: a DecoderModel or {PROMPT_LOOKUP!r}, got {draft!r}")
+    if not lookup and draft.config.vocab_size != target.config.vocab_size:
+        raise ValueError(f"draft: vocabulary {draft.config.vocab_size} differs from the "
+                         f"target's {target.config.vocab_size}")
+    if not 1 <= ngram_min <= ngram_max:
+        raise ValueError(f"ngram_min: must satisfy 1 <= ngram_min <= ngram_max, "
+                         f"got {ngram_min}, {ngram_max}")
+    rows_in = [sampling] * len(prompt_ids) if isinstance(sampling, SamplingParams) else list(sampling)
+    state, rows_sp, n = decode.prepare(target, target_params, prompt_ids, sampling, None, key,
+                                       tokenizer=tokenizer)
+    b = len(rows_sp)
+    index = np.repeat(np.arange(len(rows_in)), [s.n for s in rows_in]) if rows_in else None
+    prompts = [list(prompt_ids[i]) for i in index]
+    plen = np.array([len(p) for p in prompts], np.int32)
+    cache_len = state.cache.max_len
+    hist_len = bucket(int(plen.max()) + n)
+    hist = np.zeros((b, hist_len), np.int32)
+    for r, p in enumerate(prompts):
+        hist[r, : len(p)] = p
+    tcache = state.cache.replace(lengths=state.cache.lengths - 1)   # s[-1] is pending
+    init = dict(rows=state.rows, counts=state.counts, seen=state.seen, tcache=tcache,
+                hist=jnp.asarray(hist), lpbuf=jnp.zeros((b, hist_len), jnp.float32),
+                length=jnp.asarray(plen), step=jnp.zeros((b,), jnp.int32),
+                done=jnp.zeros((b,), bool), finish=jnp.zeros((b,), jnp.int32),
+                proposed=jnp.zeros((b,), jnp.int32), accepted=jnp.zeros((b,), jnp.int32),
+                target_tokens=jnp.zeros((b,), jnp.int32), iterations=jnp.zeros((b,), jnp.int32),
+                it=jnp.int32(0), max_iters=jnp.int32(n + 1))
+    if state.grammar is not None:
+        init["gstate"] = state.grammar_state
+    if not lookup:
+        uniq = [list(p) for p in prompt_ids]
+        t = bucket(max(len(p) for p in uniq), target.config.max_len)
+        toks = np.zeros((len(uniq), t), np.int32)
+        for r, p in enumerate(uniq):
+            toks[r, : len(p)] = p
+        dummy = RowParams.build([SamplingParams()] * len(uniq), draft.config.vocab_size)
+        dstate = decode.prefill(draft, draft_params, toks,
+                                np.array([len(p) for p in uniq], np.int32), dummy, cache_len)
+        dcache = dstate.cache
+        dcache = dcache.replace(k=jnp.take(dcache.k, index, axis=1),
+                                v=jnp.take(dcache.v, index, axis=1),
+                                lengths=jnp.take(dcache.lengths, index) - 1)
+        init.update(dcache=dcache, lag=jnp.zeros((b,), bool))
+    ngrams = tuple(range(ngram_max, ngram_min - 1, -1))
+    c = _spec_loop(target, target_params, None if lookup else draft,
+                   None if lookup else draft_params, k, ngrams, init, state.grammar)
+
+    finish = np.asarray(c["finish"])
+    step = np.asarray(c["step"])
+    failed = np.isin(finish, FAILED_CODES)
+    lengths = np.where(failed, step - 1, step).astype(np.int32)
+    hist_out, lp_out = np.asarray(c["hist"]), np.asarray(c["lpbuf"])
+    token_ids = np.full((b, n), -1, np.int32)
+    logprobs = np.zeros((b, n), np.float32)
+    for r in range(b):
+        m, ln = int(plen[r]), int(lengths[r])
+        token_ids[r, :ln] = hist_out[r, m: m + ln]
+        logprobs[r, :ln] = lp_out[r, m: m + ln]
+    stats = {name: np.asarray(c[name]).astype(np.int64)
+             for name in ("proposed", "accepted", "target_tokens", "iterations")}
+    stats["mean_accepted_length"] = float(
+        (stats["accepted"].sum() + stats["target_tokens"].sum()) / max(1, stats["iterations"].sum()))
+    return SpeculativeOutput(
+        token_ids=token_ids, lengths=lengths,
+        finish_reasons=[FINISH_REASONS[int(x)] for x in finish],
+        errors=[ERRORS.get(int(x)) for x in finish], logprobs=logprobs, stats=stats)
