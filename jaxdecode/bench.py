@@ -12,6 +12,7 @@ import dataclasses
 import os
 import platform
 import statistics
+import sys
 import time
 from typing import Any, Optional, Sequence
 
@@ -94,6 +95,8 @@ def time_jaxdecode(model, params, batch: int, cfg: BenchConfig) -> dict:
     total = _median_time(lambda: run(sp), cfg.repeats)
     part = _median_time(lambda: run(short), cfg.repeats)
     step = (total - part) / (cfg.new_tokens - cfg.new_tokens // 8)
+    if step <= 0:  # too few tokens to separate the prefill: fall back to the plain average
+        step = total / cfg.new_tokens
     return {"seconds": total, "tokens_per_s": batch * cfg.new_tokens / total,
             "step_ms": step * 1e3, "compiles_warmup": warm_compiles,
             "compiles_after_warmup": compilation_count() - c1}
@@ -128,7 +131,9 @@ def run(model, params, cfg: BenchConfig, hf_model=None, hf_threads: Optional[int
     report["gemv_bandwidth_gb_s"] = bw / 1e9
     report["roofline_step_ms"] = report["step_bytes"] / bw * 1e3
     rows = []
-    for batch in cfg.batches:
+    from tqdm.auto import tqdm
+
+    for batch in tqdm(cfg.batches, desc="bench", unit="batch", file=sys.stderr):
         row = {"batch": batch, "jaxdecode": time_jaxdecode(model, params, batch, cfg)}
         if hf_model is not None:
             row["hf"] = time_hf(hf_model, batch, cfg, model.config.vocab_size,
@@ -247,6 +252,7 @@ def format_search(beam: Optional[dict] = None, spec: Optional[dict] = None) -> s
             lines.append(f"| {name} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | "
                          f"{r['mean_accepted_length']:.2f} | {r['acceptance_rate']:.2f} | "
                          f"{r['same_tokens_as_plain']} |")
+    return "\n".join(lines)
 
 
 # -- host pipeline cost (issue #3) --------------------------------------------------------------
@@ -578,6 +584,10 @@ def write_report(report: dict, out_dir: str) -> list[str]:
         md.append("")
     for key, title in (("host_cost", "Host pipeline cost per token"),
                        ("engine", "Engine with streaming vs the raw jitted loop"),
+                       ("recompiles", "Recompilations after warm-up (mixed engine requests)"),
+                       ("beam", "Beam search vs greedy"),
+                       ("speculative", "Speculative decoding vs plain (demo model and draft)"),
+                       ("constraints", "Structured output: step time and index compile time"),
                        ("compiles", "Compilations")):
         if report.get(key) is not None:
             md += [f"## {title}", "", "```", json.dumps(report[key], indent=2, default=str), "```",
@@ -588,3 +598,34 @@ def write_report(report: dict, out_dir: str) -> list[str]:
         f.write("\n".join(md) + "\n")
     written.append(path)
     return written
+
+
+def recompiles_after_warmup(model, params, tokenizer, requests: int = 1000, max_slots: int = 8,
+                            max_len: int = 512, max_prompt_len: int = 64, seed: int = 0) -> dict:
+    """`LLM.warmup`, then `requests` mixed requests (prompt lengths, output lengths, sampling
+    settings, stop strings, arrival pattern): the compilations after warm-up must be zero."""
+    import random
+
+    from jaxdecode.engine import LLM
+
+    rng = random.Random(seed)
+    vocab = model.config.vocab_size
+    with LLM(model, params, tokenizer, max_slots=max_slots, max_len=max_len) as llm:
+        t0 = time.perf_counter()
+        warm = llm.warmup(max_prompt_len)
+        warm_s = time.perf_counter() - t0
+        before = compilation_count()
+        handles = []
+        for i in range(requests):
+            prompt = [rng.randrange(1, vocab) for _ in range(rng.randint(1, max_prompt_len))]
+            sp = SamplingParams(max_tokens=rng.randint(1, 24), seed=i, utf8_errors="replace",
+                                temperature=rng.choice([0.0, 0.7, 1.0]),
+                                top_k=rng.choice([0, 20]), top_p=rng.choice([1.0, 0.9]),
+                                repetition_penalty=rng.choice([1.0, 1.1]),
+                                stop=rng.choice([(), ("\n\n",)]))
+            handles.append(llm.submit(prompt, sp, block=True))
+            if rng.random() < 0.05:
+                time.sleep(0.002)
+        ended = sum(h.result(timeout=600).finish_reason is not None for h in handles)
+    return {"requests": requests, "ended": ended, "warmup_compiles": warm,
+            "warmup_s": warm_s, "compiles_after_warmup": compilation_count() - before}

@@ -26,6 +26,10 @@ BENCH_CONFIGS = {
     "llama-512": dict(vocab_size=8192, hidden_size=512, intermediate_size=1376,
                       num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8,
                       max_position_embeddings=2048, rms_norm_eps=1e-5),
+    # For accelerators (the default there): TinyLlama-like, ~1.1B parameters, run in bf16.
+    "llama-1b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
+                     num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4,
+                     max_position_embeddings=2048, rms_norm_eps=1e-5),
     "llama-tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128,
                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                        max_position_embeddings=256, rms_norm_eps=1e-5),
@@ -70,6 +74,8 @@ def cmd_generate(args) -> int:
     sp = sampling_from_args(args)
     model, params, tokenizer = load_model(args.model)
     prompt_ids = encode(tokenizer, prompt)
+    if args.num_beams > 1:
+        return _generate_beams(args, model, params, tokenizer, prompt, prompt_ids, sp)
     max_len = min(model.config.max_len, bucket(len(prompt_ids) + sp.max_tokens + 1))
     stream = not (args.no_stream or args.json)
     t0 = time.perf_counter()
@@ -105,6 +111,36 @@ def cmd_generate(args) -> int:
         print(f"[{status}; {done.usage.selected_tokens} tokens in {elapsed:.2f}s, "
               f"first text after {first_delta_s or 0:.2f}s]", file=sys.stderr)
     return 0 if done.error is None else 1
+
+
+def _generate_beams(args, model, params, tokenizer, prompt, prompt_ids, sp) -> int:
+    """Beam search on device (`jd.beam_search`): the best hypothesis, or every returned beam
+    with its score under --json. Not streamed (beams are only final at the end)."""
+    from jaxdecode.beam import beam_search
+    from jaxdecode.host import TextPipeline
+
+    if args.record:
+        raise SystemExit("--record: records cover sampled and greedy generation, not beams")
+    try:
+        out = beam_search(model, params, [prompt_ids], num_beams=args.num_beams,
+                          max_new_tokens=sp.max_tokens, num_return_sequences=args.num_beams)
+    except ValueError as e:
+        raise SystemExit(f"--{str(e).split(':')[0].replace('_', '-')}: {e}")
+    eos = set(model.config.eos_token_ids)
+
+    def text(ids):
+        pipe = TextPipeline(tokenizer, prompt_ids=prompt_ids, stop=sp.stop, errors="replace")
+        shown = "".join(pipe.push(t).text for t in ids if t not in eos and not pipe.done)
+        return shown + pipe.finish("eos").text
+
+    beams = [{"text": text(ids), "token_ids": list(ids), "score": float(score)}
+             for ids, score in out.beams[0]]
+    if args.json:
+        print(json.dumps({"beams": beams,
+                          "finish_reason": out.finish_reasons[0].value}, ensure_ascii=False))
+    else:
+        print(prompt + beams[0]["text"])
+    return 0
 
 
 def cmd_replay(args) -> int:
@@ -149,7 +185,8 @@ def _bench_model(spec: str, compare_hf: bool, workdir: str):
             import jax
 
             model = models.Llama(_llama_config(spec))
-            return model, model.init_params(jax.random.key(0)), None
+            dtype = jax.numpy.bfloat16 if spec == "llama-1b" else jax.numpy.float32
+            return model, model.init_params(jax.random.key(0), dtype=dtype), None
         import torch
         import transformers
 
@@ -181,14 +218,21 @@ def cmd_bench(args) -> int:
     import sysconfig
     import tempfile
 
+    import jax
+
     from jaxdecode import bench
     from jaxdecode.decode import compilation_count
 
+    if args.model is None:  # size the configuration to the backend
+        args.model = "llama-512" if jax.default_backend() == "cpu" else "llama-1b"
+    if args.compare_hf and jax.default_backend() != "cpu":
+        print("--compare-hf: the HF column runs PyTorch on the CPU only", file=sys.stderr)
+        args.compare_hf = False
     if args.report:  # the full report: every section, HF side by side when torch is there
         args.host_cost = args.engine = True
         try:
             import torch  # noqa: F401
-            args.compare_hf = True
+            args.compare_hf = jax.default_backend() == "cpu"
         except ImportError:
             print("torch is not installed: the report has no HF column", file=sys.stderr)
     default_batches = (1, 4) if args.quick else ((1, 4, 16, 32) if args.report else (1, 16))
@@ -206,8 +250,23 @@ def cmd_bench(args) -> int:
             lengths = (128, 256) if args.quick else (128, 256, 512, 1024, 2048)
             report["ttft"] = bench.ttft(model, params, lengths, hf, args.hf_threads,
                                         repeats=cfg.repeats)
-    report["model_spec"] = args.model
+            report["beam"] = bench.time_beam_search(model, params, cfg, num_beams=4)
     text = [bench.format_table(report)]
+    if args.report and not args.quick:
+        import models
+        from models.demo import DEMO_DIR
+
+        target, target_params, tokenizer = models.demo()
+        draft = (models.demo("draft")
+                 if os.path.exists(os.path.join(DEMO_DIR, "draft.safetensors")) else None)
+        ids = [tokenizer.encode("def fibonacci(n):\n    ").ids]
+        report["speculative"] = bench.time_speculative(
+            target, target_params, *(draft[:2] if draft else (None, None)),
+            cfg=dataclasses.replace(cfg, new_tokens=64), k=4, prompt_ids=ids)
+        report["constraints"] = bench.time_constraints(target, target_params, tokenizer)
+        text += [bench.format_search(report["beam"], report["speculative"]),
+                 bench.format_constraints_table(report["constraints"])]
+    report["model_spec"] = args.model
     if args.host_cost or args.engine:
         # the host pipeline needs a real tokenizer: the checkpoint's, else the demo model's; a
         # named config is rebuilt with the demo tokenizer's vocabulary (same shapes otherwise)
@@ -238,6 +297,11 @@ def cmd_bench(args) -> int:
             report["engine"] = [bench.engine_vs_raw(model, params, tokenizer, b, cfg.new_tokens,
                                                     repeats=max(cfg.repeats, 5))
                                 for b in cfg.batches]
+            if args.report:
+                report["recompiles"] = bench.recompiles_after_warmup(
+                    model, params, tokenizer, requests=100 if args.quick else 1000)
+                text.append(f"compilations after warm-up across {report['recompiles']['requests']}"
+                            f" mixed engine requests: {report['recompiles']['compiles_after_warmup']}")
             text += [f"engine with streaming vs raw loop ({spec}, batch {r['batch']}): "
                      f"{r['engine_tokens_per_s']:.0f} vs {r['raw_tokens_per_s']:.0f} tok/s = "
                      f"{r['fraction'] * 100:.0f}%" for r in report["engine"]]
@@ -273,6 +337,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", help="a stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--num-beams", type=int, default=1,
+                   help="beam search with this width (jd.beam_search; printed at the end)")
     g.add_argument("--no-stream", action="store_true", help="print the text once at the end")
     g.add_argument("--json", action="store_true", help="print one JSON object with text and usage")
     g.add_argument("--record", help="write the generation record (SPEC §11) to this JSON file")
@@ -288,8 +354,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_serve)
 
     b = sub.add_parser("bench", help="decode throughput, side by side with HF PyTorch")
-    b.add_argument("--model", default="llama-512",
-                   help=f"DIR, 'demo', or a named config: {', '.join(BENCH_CONFIGS)}")
+    b.add_argument("--model", default=None,
+                   help=f"DIR, 'demo', or a named config: {', '.join(BENCH_CONFIGS)} (default: "
+                        "llama-512 on CPU, llama-1b in bf16 on an accelerator)")
     b.add_argument("--batch", type=int, action="append", help="batch size (repeatable)")
     b.add_argument("--prompt-len", type=int, default=16)
     b.add_argument("--new-tokens", type=int, default=64)

@@ -184,7 +184,8 @@ class LLM:
     def __init__(self, model: DecoderModel, params: Any, tokenizer: Any, *, max_slots: int = 8,
                  max_len: int = 2048, eos_token_ids: Optional[Sequence[int]] = None,
                  max_queue: int = 1024, max_buffered: int = 4096, backpressure: str = "buffer",
-                 trace: bool = True, model_source: Optional[str] = None):
+                 trace: bool = True, model_source: Optional[str] = None,
+                 mesh: Optional[Any] = None):
         if not isinstance(max_slots, int) or max_slots < 1:
             raise ValueError(f"max_slots: must be a positive integer, got {max_slots!r}")
         if not isinstance(max_len, int) or not 2 <= max_len <= model.config.max_len:
@@ -201,6 +202,9 @@ class LLM:
                 eos_token_ids = (eos_token_id(tokenizer),)
         self.eos_token_ids = tuple(eos_token_ids)
         self.model_source = model_source  # where the weights came from ("demo", a directory)
+        # a jax.sharding.Mesh: the step state is placed by slots.state_sharding (KV cache per
+        # model_api.CACHE_RULES); shard the params with models.shard_params(params, mesh)
+        self.mesh = mesh
         self._hashes: dict = {}
         self.error: Optional[str] = None  # the last engine failure (health)
         self._cond = threading.Condition()
@@ -241,8 +245,7 @@ class LLM:
                                           exclude_ids=self.eos_token_ids)
             grammar = constraints.compile_format(sp.response_format, vocab)  # cached
         seed = sp.seed if sp.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
-        key = seed_key_data(seed) if sp.n == 1 else np.asarray(
-            jax.random.key_data(jax.random.fold_in(jax.random.key(seed), index)), np.uint32)
+        key = decode.sample_keys(seed_key_data(seed), sp.n)[index]  # as jd.generate does
         rid = request_id or f"req-{next(self._ids)}"
         return RequestHandle(self, rid, prompt_ids, sp, prompt if isinstance(prompt, str) else None,
                              seed, key, prompt_index, index,
@@ -317,7 +320,7 @@ class LLM:
         scatter, and the decode step for each attention bucket. Returns the compilations."""
         before = decode.compilation_count()
         state = slots.empty_state(self.model, self.params, self.max_slots, self.max_len,
-                                  self.eos_token_ids)
+                                  self.eos_token_ids, mesh=self.mesh)
         t_buckets = sorted({decode.bucket(n, self.max_len) for n in
                             range(1, min(max_prompt_len, self.max_len - 1) + 1)})
         n = 1
@@ -607,7 +610,7 @@ class LLM:
             self._cond.notify_all()
         if self._state is None and batch:
             self._state = slots.empty_state(self.model, self.params, self.max_slots,
-                                            self.max_len, self.eos_token_ids)
+                                            self.max_len, self.eos_token_ids, mesh=self.mesh)
         fresh = [r for r in batch if r.restored is None]
         restored = [r for r in batch if r.restored is not None]
         try:

@@ -8,7 +8,8 @@ scripted models of the tests.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Protocol, runtime_checkable
+import re
+from typing import Any, Optional, Protocol, Sequence, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -85,3 +86,50 @@ class DecoderModel(Protocol):
 
     def forward(self, params: Any, tokens: Array, positions: Array, cache: KVCache, *,
                 lengths: Array) -> tuple[Array, KVCache]: ...
+
+
+# -- sharding -----------------------------------------------------------------------------------
+# The KV-cache part of the one sharding rules table (the parameter rules are in
+# models/sharding.py, which imports these): (regex on the field path, spec per dimension).
+# A spec entry is a mesh axis name, a tuple of names, or None (replicated along that dimension).
+# Batch rows on "data", kv heads on "model" (each device holds whole heads: attention needs no
+# collective beyond the output projection's all-reduce).
+CACHE_RULES: tuple = (
+    (r"cache/(k|v)", (None, "data", "model", None, None)),  # [layers, batch, kv_heads, len, hd]
+    (r"cache/lengths", ("data",)),                           # [batch]
+)
+
+
+def fit_spec(spec: Sequence[Any], shape: Sequence[int], mesh: Any) -> Any:
+    """A `PartitionSpec` for an array of `shape`: `spec` with every entry that does not apply
+    dropped to None (replicated) -- an axis the mesh lacks, or a dimension not divisible by the
+    axis size. Never an error: a rule that does not fit replicates."""
+    entries = []
+    for d in range(len(shape)):
+        axes = spec[d] if d < len(spec) else None
+        names = (axes,) if isinstance(axes, str) else tuple(axes or ())
+        size = 1
+        for name in names:
+            size *= mesh.shape.get(name, 0) if name in mesh.axis_names else 0
+        ok = bool(names) and size > 0 and shape[d] % size == 0
+        entries.append(axes if ok else None)
+    while entries and entries[-1] is None:
+        entries.pop()
+    return jax.sharding.PartitionSpec(*entries)
+
+
+def match_rules(rules: Sequence[tuple], path: str) -> Optional[tuple]:
+    """The spec of the first rule whose regex matches all of `path`, or None."""
+    for pattern, spec in rules:
+        if re.fullmatch(pattern, path):
+            return spec
+    return None
+
+
+def cache_sharding(mesh: Any, cache: KVCache) -> KVCache:
+    """`NamedSharding`s for `cache` (arrays or shape structs) under `CACHE_RULES`."""
+    def one(name, leaf):
+        spec = match_rules(CACHE_RULES, f"cache/{name}")
+        return jax.sharding.NamedSharding(mesh, fit_spec(spec or (), leaf.shape, mesh))
+    return KVCache(k=one("k", cache.k), v=one("v", cache.v),
+                   lengths=one("lengths", cache.lengths))

@@ -9,28 +9,50 @@ arrays, so admitting a request never recompiles.
 from __future__ import annotations
 
 import functools
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxdecode.config import SamplingParams
 from jaxdecode.decode import params_dtype
-from jaxdecode.model_api import DecoderModel
+from jaxdecode.model_api import DecoderModel, cache_sharding, fit_spec
 from jaxdecode.state import RowParams, StepState
 
 
 def empty_state(model: DecoderModel, params: Any, slots: int, max_len: int,
-                eos_token_ids: Sequence[int]) -> StepState:
-    """Every row done: a step over it selects and writes nothing."""
+                eos_token_ids: Sequence[int], mesh: Optional[Any] = None) -> StepState:
+    """Every row done: a step over it selects and writes nothing. With a `jax.sharding.Mesh`,
+    the state is created already placed by `state_sharding` (the jitted steps then keep it
+    partitioned: GSPMD follows the shardings of their inputs)."""
     rows = RowParams.build([SamplingParams()] * slots, model.config.vocab_size, eos_token_ids,
                            keys=np.zeros((slots, 2), np.uint32))
-    return _empty_state(model, params_dtype(params), max_len, rows)
+    args = (model, params_dtype(params), max_len, rows)
+    if mesh is None:
+        return _empty_state(*args)
+    shardings = state_sharding(mesh, jax.eval_shape(_empty_state, *args))
+    return jax.jit(_empty_state_fn, static_argnums=(0, 1, 2), out_shardings=shardings)(*args)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def _empty_state(model: DecoderModel, dtype: Any, max_len: int, rows: RowParams) -> StepState:
+def state_sharding(mesh: Any, state: StepState) -> StepState:
+    """`NamedSharding`s for a StepState (arrays or shape structs): the cache by the rules of
+    `model_api.CACHE_RULES`, per-row arrays with the batch on "data" (replicated when the slot
+    count is not divisible), the shared grammar tables replicated."""
+    batch = state.cache.batch
+
+    def row(leaf):
+        spec = ("data",) if leaf.ndim and leaf.shape[0] == batch else ()
+        return NamedSharding(mesh, fit_spec(spec, leaf.shape, mesh))
+
+    rest = jax.tree.map(row, state.replace(cache=None, grammar=None))
+    grammar = jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), state.grammar)
+    return rest.replace(cache=cache_sharding(mesh, state.cache), grammar=grammar)
+
+
+def _empty_state_fn(model: DecoderModel, dtype: Any, max_len: int,
+                    rows: RowParams) -> StepState:
     slots, vocab = rows.bias.shape
     return StepState(cache=model.init_cache(slots, max_len, dtype),
                      logits=jnp.zeros((slots, vocab), jnp.float32),
@@ -40,6 +62,9 @@ def _empty_state(model: DecoderModel, dtype: Any, max_len: int, rows: RowParams)
                      seen=jnp.zeros((slots, vocab), bool), done=jnp.ones((slots,), bool),
                      paused=jnp.zeros((slots,), bool), finish=jnp.zeros((slots,), jnp.int32),
                      rows=rows)
+
+
+_empty_state = jax.jit(_empty_state_fn, static_argnums=(0, 1, 2))
 
 
 def _keep_tables(fn):

@@ -3,6 +3,7 @@ from models.llama import Llama, LlamaConfig
 from models.gpt2 import GPT2, GPT2Config
 from models.hf import CheckpointError, load
 from models.checkpoint import restore_params, save_params
+from models.sharding import make_mesh, shard_params
 from models.demo import load as _load_demo  # binds the subpackage; `demo` below rebinds the name
 
 

@@ -45,6 +45,7 @@ import dataclasses
 import hmac
 import json
 import logging
+import os
 import time
 import uuid
 from typing import Any, Optional
@@ -173,8 +174,11 @@ class Server:
     def __init__(self, llm: Any, *, model_name: str, api_key: Optional[str],
                  on_disconnect: str, max_body_bytes: int, log_prompts: bool,
                  stream_ttl_s: float, max_kept_streams: int, retry_after_s: int,
-                 max_n: int, keepalive_s: float = 15.0):
+                 max_n: int, keepalive_s: float = 15.0, record_dir: Optional[str] = None):
         self.llm = llm
+        self.record_dir = record_dir
+        if record_dir:
+            os.makedirs(record_dir, exist_ok=True)
         self.model_name = model_name
         self.api_key = api_key
         self.on_disconnect = on_disconnect
@@ -252,10 +256,20 @@ class Server:
                      "usage": dataclasses.asdict(h.usage()), **timing}
             if self.log_prompts:
                 entry["text"] = h.pipeline.text
+            if self.record_dir:
+                self.write_record(h)
             choices.append(entry)
         log_event("request.finished", request_id=tracked.request_id, endpoint=tracked.endpoint,
                   stream=tracked.stream, transport_error=tracked.transport_error,
                   seconds=round(time.monotonic() - tracked.t0, 6), choices=choices)
+
+    def write_record(self, handle: Any) -> None:
+        """`--record-dir`: the request's generation record as <engine request id>.json."""
+        try:
+            handle.completion().record.save(
+                os.path.join(self.record_dir, f"{handle.request_id}.json"))
+        except Exception:  # a record must never break a response
+            logging.getLogger("serving").exception("writing the record failed")
 
     def on_gone(self, tracked: _Tracked) -> None:
         """The last client of a live request went away (SPEC T5)."""
@@ -602,7 +616,8 @@ def create_app(llm: Any, *, model_name: str, api_key: Optional[str] = None,
                on_disconnect: str = "cancel", max_body_bytes: int = 4 << 20,
                log_prompts: bool = False, stream_ttl_s: float = 600.0,
                max_kept_streams: int = 256, retry_after_s: int = 1, max_n: int = MAX_N,
-               keepalive_s: float = 15.0, close_llm_on_shutdown: bool = False) -> FastAPI:
+               keepalive_s: float = 15.0, close_llm_on_shutdown: bool = False,
+               record_dir: Optional[str] = None) -> FastAPI:
     """The FastAPI app serving `llm` under `model_name` (see the module docstring)."""
     if on_disconnect not in ON_DISCONNECT:
         raise ValueError(f"on_disconnect: must be one of {ON_DISCONNECT}, got {on_disconnect!r}")
@@ -612,7 +627,7 @@ def create_app(llm: Any, *, model_name: str, api_key: Optional[str] = None,
                     max_body_bytes=max_body_bytes, log_prompts=log_prompts,
                     stream_ttl_s=stream_ttl_s, max_kept_streams=max_kept_streams,
                     retry_after_s=retry_after_s, max_n=max(1, min(max_n, llm.max_queue)),
-                    keepalive_s=keepalive_s)
+                    keepalive_s=keepalive_s, record_dir=record_dir)
 
     import contextlib
 

@@ -2,7 +2,7 @@
 
     jaxdecode serve --model DIR|demo --host 127.0.0.1 --port 8000 --max-slots N --max-len N
                     [--api-key KEY] [--on-disconnect cancel|continue] [--max-queue N]
-                    [--model-name NAME] [--log-prompts] [--max-body-bytes N] [--warmup]
+                    [--model-name NAME] [--record-dir DIR] [--log-prompts] [--max-body-bytes N] [--warmup]
 
 The server binds 127.0.0.1 unless told otherwise; the api key may also come from the
 JAXDECODE_API_KEY environment variable. Logs are JSON lines on stderr (`serving.logs`).
@@ -84,10 +84,18 @@ def main(args: Any) -> int:
     if tokenizer is None:
         raise SystemExit(f"--model: {args.model!r} has no tokenizer files; the server needs one")
     max_len = args.max_len or min(model.config.max_len, 4096)
+    mesh = None
+    if getattr(args, "mesh", None):
+        from models.sharding import parse_mesh, shard_params
+        try:
+            mesh = parse_mesh(args.mesh)
+        except ValueError as e:
+            raise SystemExit(f"--mesh: {e}")
+        params = shard_params(params, mesh)
     api_key: Optional[str] = args.api_key or os.environ.get("JAXDECODE_API_KEY") or None
     try:
         llm = LLM(model, params, tokenizer, max_slots=args.max_slots, max_len=max_len,
-                  max_queue=args.max_queue)
+                  max_queue=args.max_queue, model_source=args.model, mesh=mesh)
     except ValueError as e:
         raise SystemExit(f"--{str(e).split(':')[0].replace('_', '-')}: {e}")
     name = args.model_name or (args.model if args.model == "demo"
@@ -99,7 +107,7 @@ def main(args: Any) -> int:
                   seconds=round(time.perf_counter() - t0, 3))
     app = create_app(llm, model_name=name, api_key=api_key, on_disconnect=args.on_disconnect,
                      max_body_bytes=args.max_body_bytes, log_prompts=args.log_prompts,
-                     close_llm_on_shutdown=True)
+                     record_dir=args.record_dir, close_llm_on_shutdown=True)
     log_event("server.start", model=name, host=args.host, port=args.port,
               max_slots=args.max_slots, max_len=max_len, max_queue=args.max_queue,
               auth=api_key is not None, on_disconnect=args.on_disconnect)
@@ -129,9 +137,13 @@ def add_arguments(p: Any) -> None:
                    help="the name clients use in 'model' (default: 'demo' or the directory name)")
     p.add_argument("--max-body-bytes", type=int, default=4 << 20,
                    help="request body limit (413 above it)")
+    p.add_argument("--record-dir", default=None,
+                   help="write each request's generation record (SPEC §11) as <id>.json here")
     p.add_argument("--log-prompts", action="store_true",
                    help="include prompts and outputs in the logs (off by default)")
     p.add_argument("--warmup", action="store_true",
                    help="compile every engine shape before accepting requests")
+    p.add_argument("--mesh", default=None, metavar="data=N,model=M",
+                   help="shard over a device mesh (docs/sharding.md); default: one device")
     p.add_argument("--log-level", default="info",
                    choices=("debug", "info", "warning", "error"))

@@ -125,3 +125,27 @@ def test_backpressure_B1_save_in_one_process_restore_in_another(llm, tmp_path):
     assert restored.usage == reference.usage
     seqs = [e.seq for e in restored.events if e.seq is not None]
     assert seqs[0] == 1 + at and seqs == sorted(set(seqs))  # the stream continues its numbering
+
+
+def test_sampling_X1_invariance_with_hypothesis_chosen_neighbours(demo, llm):
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    alone = llm.generate([PROMPT], dataclasses.replace(SP, max_tokens=16))[0].token_ids
+    neighbour = st.tuples(st.integers(1, 40), st.integers(1, 30), st.floats(0.0, 1.5),
+                          st.integers(0, 2**31))
+
+    @settings(max_examples=6, deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(st.lists(neighbour, max_size=3), st.integers(0, 3))
+    def check(neighbours, position):
+        prompts = [[(7 * i + j) % 4000 + 1 for j in range(n)]
+                   for i, (n, _, _, _) in enumerate(neighbours)]
+        settings_ = [jd.SamplingParams(max_tokens=m, temperature=t, seed=s,
+                                       utf8_errors="replace") for _, m, t, s in neighbours]
+        at = min(position, len(prompts))
+        prompts.insert(at, PROMPT)
+        settings_.insert(at, dataclasses.replace(SP, max_tokens=16))
+        assert llm.generate(prompts, settings_)[at].token_ids == alone
+
+    check()

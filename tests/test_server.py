@@ -718,3 +718,16 @@ def _up(url: str) -> bool:
         return httpx.get(url + "/health", timeout=1).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def test_replay_X11_server_writes_records_that_replay_identically(llm, tmp_path):
+    app = create_app(llm, model_name=MODEL, record_dir=str(tmp_path))
+    with ServerThread(app) as srv, httpx.Client(base_url=srv.url, timeout=30) as c:
+        r = c.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 8,
+                                            "seed": 5, "temperature": 0.7})
+        assert r.status_code == 200
+    files = list(tmp_path.glob("*.json"))
+    assert len(files) == 1
+    record = jd.GenerationRecord.load(str(files[0]))
+    assert record.data["sampling"]["seed"] == 5 and len(record.token_ids) == 8
+    assert jd.replay(record, llm).identical

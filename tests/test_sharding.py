@@ -1,0 +1,163 @@
+"""Sharding (models/sharding.py, LLM(mesh=)): the rules place leaves as written, and sharded
+decoding gives the same tokens as unsharded. The multi-device checks run in one subprocess with
+8 simulated CPU devices (the pytest process has one device)."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import pytest
+from jax.sharding import AbstractMesh, PartitionSpec as P
+
+from models import GPT2, GPT2Config, Llama, LlamaConfig
+from models import sharding
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+SCRIPT = textwrap.dedent(r"""
+    import json
+    import jax
+    import jaxdecode as jd
+    import models
+    from models import Llama, LlamaConfig
+    from tests.host_fixtures import byte_level_from_table
+
+    assert jax.device_count() == 8, jax.devices()
+    # GQA; intermediate 36 splits over 4 but not 8 (the fallback to replicated)
+    cfg = LlamaConfig(vocab_size=256, num_layers=2, num_heads=8, num_kv_heads=4, head_dim=4,
+                      max_len=64, hidden_size=32, intermediate_size=36, eos_token_ids=(1,))
+    model = Llama(cfg)
+    params = model.init_params(jax.random.key(0), scale=0.3)
+    tok = byte_level_from_table({})
+    prompts = [[5, 6, 7], [9, 10], [40, 41, 42, 43], [3]]
+    greedy = jd.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True,
+                               utf8_errors="replace")
+    sampled = jd.SamplingParams(max_tokens=8, temperature=1.0, seed=3, ignore_eos=True,
+                                utf8_errors="replace")
+    reqs = [greedy, sampled, greedy, sampled]
+
+    def spec(x):
+        if not hasattr(x.sharding, "spec"):
+            return None
+        return [list(e) if isinstance(e, tuple) else e for e in x.sharding.spec]
+
+    def engine(p, mesh):
+        with jd.LLM(model, p, tok, max_slots=4, max_len=64, mesh=mesh) as llm:
+            outs = [list(o.token_ids) for o in llm.generate(prompts, reqs)]
+            st = llm._state
+            return outs, {"k": spec(st.cache.k), "lengths": spec(st.cache.lengths),
+                          "last_token": spec(st.last_token)}
+
+    out = {"reference": jd.generate(model, params, prompts, greedy).token_ids.tolist(),
+           "engine_reference": engine(params, None)[0]}
+    for data, model_axis in [(2, 4), (1, 8)]:
+        mesh = models.make_mesh(data, model_axis)
+        sp = models.shard_params(params, mesh)
+        name = f"{data}x{model_axis}"
+        out[name] = {
+            "params": {k: spec(v) for k, v in sp["layers"][0].items()},
+            "embed": spec(sp["embed"]), "lm_head": spec(sp["lm_head"]),
+            "ndev": len(sp["layers"][0]["q"].sharding.device_set),
+            "generate": jd.generate(model, sp, prompts, greedy).token_ids.tolist(),
+        }
+        out[name]["engine"], out[name]["state"] = engine(sp, mesh)
+    print("RESULT" + json.dumps(out))
+""")
+
+
+@pytest.fixture(scope="module")
+def mesh_run():
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
+               XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") +
+                          " --xla_force_host_platform_device_count=8").strip())
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT")][-1]
+    return json.loads(line[len("RESULT"):])
+
+
+def test_rules_place_params_2x4(mesh_run):
+    r = mesh_run["2x4"]
+    assert r["ndev"] == 8
+    p = r["params"]
+    for name in ("q", "k", "v", "gate", "up"):
+        assert p[name] == [None, "model"], name
+    assert p["o"] == ["model"] and p["down"] == ["model"]
+    assert p["attn_norm"] == [] and p["mlp_norm"] == []
+    assert r["embed"] == ["model"] and r["lm_head"] == [None, "model"]
+
+
+def test_rules_fall_back_to_replicated_1x8(mesh_run):
+    p = mesh_run["1x8"]["params"]
+    assert p["q"] == [None, "model"] and p["k"] == [None, "model"]  # 32 and 16 split 8 ways
+    assert p["gate"] == [] and p["up"] == [] and p["down"] == []     # 36 does not
+    # 4 kv heads over 8 devices: the cache is replicated along heads, batch still on "data"
+    assert mesh_run["1x8"]["state"]["k"] in ([None, "data"], [])
+
+
+def test_sharded_generate_matches_unsharded(mesh_run):
+    for name in ("2x4", "1x8"):
+        assert mesh_run[name]["generate"] == mesh_run["reference"], name
+
+
+def test_engine_with_mesh_matches_and_shards_the_cache(mesh_run):
+    assert all(len(t) == 8 for t in mesh_run["engine_reference"])
+    for name in ("2x4", "1x8"):
+        assert mesh_run[name]["engine"] == mesh_run["engine_reference"], name
+    state = mesh_run["2x4"]["state"]
+    assert state["k"] == [None, "data", "model"]      # batch on data, kv heads on model
+    assert state["lengths"] == ["data"]
+
+
+@pytest.mark.parametrize("model", [
+    Llama(LlamaConfig(vocab_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+                      max_len=32, hidden_size=32, intermediate_size=64, attention_bias=True)),
+    Llama(LlamaConfig(vocab_size=64, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8,
+                      max_len=32, hidden_size=32, intermediate_size=64,
+                      tie_word_embeddings=True)),
+    GPT2(GPT2Config(vocab_size=64, num_layers=2, num_heads=4, num_kv_heads=4, head_dim=8,
+                    max_len=32, hidden_size=32, intermediate_size=64,
+                    tie_word_embeddings=False)),
+], ids=["llama-bias", "llama-tied", "gpt2"])
+def test_rules_cover_every_param(model):
+    shapes = jax.eval_shape(model.init_params, jax.random.key(0))
+    assert sharding.unmatched(shapes) == []
+    mesh = AbstractMesh((2, 4), ("data", "model"))  # rules only need axis names and sizes
+    flat = jax.tree_util.tree_flatten_with_path(shapes)[0]
+    specs = {sharding.key_path(p): sharding.param_spec(sharding.key_path(p), s.shape, mesh)
+             for p, s in flat}
+    assert specs["layers/0/q"] == P(None, "model") and specs["layers/0/o"] == P("model")
+    assert specs["embed"] == P("model")
+    if isinstance(model, GPT2):
+        assert specs["layers/1/fc"] == P(None, "model") and specs["layers/1/fc_bias"] == P("model")
+        assert specs["layers/1/proj"] == P("model") and specs["layers/1/proj_bias"] == P()
+        assert specs["pos_embed"] == P() and specs["final_norm_bias"] == P()
+        assert specs["lm_head"] == P(None, "model")
+    elif model.config.attention_bias:
+        assert specs["layers/0/k_bias"] == P("model") and specs["layers/0/down"] == P("model")
+
+
+def test_cache_rule_and_fallback():
+    from jaxdecode.model_api import CACHE_RULES, fit_spec, match_rules
+    mesh = AbstractMesh((2, 4), ("data", "model"))
+    rule = match_rules(sharding.RULES, "cache/k")
+    assert rule == match_rules(CACHE_RULES, "cache/k")  # one table
+    assert fit_spec(rule, (2, 8, 4, 16, 8), mesh) == P(None, "data", "model")
+    assert fit_spec(rule, (2, 3, 2, 16, 8), mesh) == P()  # neither divides: replicated
+    assert fit_spec(("model",), (6,), AbstractMesh((3,), ("data",))) == P()  # axis missing
+
+
+def test_parse_mesh_and_serve_flag():
+    mesh = sharding.parse_mesh("data=1,model=1")
+    assert dict(mesh.shape) == {"data": 1, "model": 1}
+    assert dict(sharding.parse_mesh("").shape) == {"data": 1, "model": jax.device_count()}
+    for bad in ("foo=2", "data=x", f"data={jax.device_count() + 1}"):
+        with pytest.raises(ValueError):
+            sharding.parse_mesh(bad)
+    from jaxdecode.cli import build_parser
+    args = build_parser().parse_args(["serve", "--mesh", "data=1,model=1"])
+    assert args.mesh == "data=1,model=1"
