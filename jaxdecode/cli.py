@@ -25,7 +25,7 @@ BENCH_CONFIGS = {
     # The reference configuration of issue #2: Llama-like, ~29M parameters, fp32.
     "llama-512": dict(vocab_size=8192, hidden_size=512, intermediate_size=1376,
                       num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8,
-                      max_position_embeddings=2048, rms_norm_eps=1e-5),
+                      max_position_embeddings=4096, rms_norm_eps=1e-5),
     # For accelerators (the default there): TinyLlama-like, ~1.1B parameters, run in bf16.
     "llama-1b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
                      num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4,

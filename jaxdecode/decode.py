@@ -82,6 +82,12 @@ def compilation_count() -> int:
 
 # -- prefill and the step ----------------------------------------------------------------------
 
+@functools.lru_cache(maxsize=None)
+def accepts_kv_len(model_type: type) -> bool:
+    """Whether a model's forward takes the optional static `kv_len` (attend to a prefix only)."""
+    return "kv_len" in inspect.signature(model_type.forward).parameters
+
+
 @functools.partial(jax.jit, static_argnums=(0, 5))
 def prefill(model: DecoderModel, params: Any, tokens: Array, lengths: Array, rows: RowParams,
             cache_len: int) -> StepState:
@@ -92,7 +98,9 @@ def prefill(model: DecoderModel, params: Any, tokens: Array, lengths: Array, row
     b, t = tokens.shape
     cache = model.init_cache(b, cache_len, params_dtype(params))
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    logits, cache = model.forward(params, tokens, positions, cache, lengths=lengths)
+    # the cache is empty before the prompt: attend to the prompt bucket only
+    extra = {"kv_len": t} if accepts_kv_len(type(model)) else {}
+    logits, cache = model.forward(params, tokens, positions, cache, lengths=lengths, **extra)
     last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
     vocab = last.shape[-1]
     real = jnp.arange(t)[None, :] < lengths[:, None]
@@ -133,12 +141,6 @@ def finish_codes(state: StepState, logprobs: Array, token: Array,
     for value, cond in reversed(conditions):
         code = jnp.where(cond, value, code)
     return jnp.where(state.done | state.paused, RUNNING, code)
-
-
-@functools.lru_cache(maxsize=None)
-def accepts_kv_len(model_type: type) -> bool:
-    """Whether a model's forward takes the optional static `kv_len` (attend to a prefix only)."""
-    return "kv_len" in inspect.signature(model_type.forward).parameters
 
 
 def decode_step(model: DecoderModel, params: Any, state: StepState, top_logprobs: int = 0,
