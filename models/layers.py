@@ -123,3 +123,30 @@ def attention(q: Array, k: Array, v: Array, q_pos: Array, k_pos: Array,
     probs = jnp.where(jnp.any(visible, -1)[:, None, :, None, None], probs, 0.0)
     out = jnp.einsum("bkqs,bksd->bkqd", probs.reshape(b, kvh, t * g, -1).astype(v.dtype), v)
     return out.reshape(b, kvh, t, g, d).transpose(0, 2, 1, 3, 4).reshape(b, t, h, d)
+
+
+def cached_forward(run, params: dict, tokens: Array, positions: Array, cache: KVCache,
+                   lengths: Array, kv_len: Optional[int]) -> tuple[Array, KVCache]:
+    """The protocol's forward around a family's layer stack `run(params, tokens, positions,
+    kv_source)`: each layer's K/V is written at its absolute positions (padding dropped) and
+    attention reads the first `kv_len` cache positions (all of them by default)."""
+    write_pos = write_positions(positions, lengths, cache.max_len)
+    kv_len = cache.max_len if kv_len is None else min(kv_len, cache.max_len)
+    k_pos = jnp.arange(kv_len, dtype=jnp.int32)
+    new_lengths = updated_lengths(cache, positions, lengths)
+
+    def kv_source(i, k, v):
+        nonlocal cache
+        cache = write_kv(cache, i, k, v, write_pos)
+        return cache.k[i, :, :, :kv_len], cache.v[i, :, :, :kv_len], k_pos
+
+    logits = run(params, tokens, positions, kv_source)
+    return logits, cache.replace(lengths=new_lengths)
+
+
+def uncached_logits(run, params: dict, tokens: Array, positions: Optional[Array]) -> Array:
+    """Full causal forward without a cache (training and full recompute)."""
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    return run(params, tokens, positions,
+               lambda i, k, v: (heads_major(k), heads_major(v), positions))

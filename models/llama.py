@@ -85,25 +85,11 @@ class Llama:
                 lengths: Array, kv_len: Optional[int] = None) -> tuple[Array, KVCache]:
         """The protocol's forward; `kv_len` (static, optional) limits attention to the first
         kv_len cache positions when the caller knows every row is shorter."""
-        write_pos = L.write_positions(positions, lengths, cache.max_len)
-        kv_len = cache.max_len if kv_len is None else min(kv_len, cache.max_len)
-        k_pos = jnp.arange(kv_len, dtype=jnp.int32)
-        new_lengths = L.updated_lengths(cache, positions, lengths)
-
-        def kv_source(i, k, v):
-            nonlocal cache
-            cache = L.write_kv(cache, i, k, v, write_pos)
-            return cache.k[i, :, :, :kv_len], cache.v[i, :, :, :kv_len], k_pos
-
-        logits = self._run(params, tokens, positions, kv_source)
-        return logits, cache.replace(lengths=new_lengths)
+        return L.cached_forward(self._run, params, tokens, positions, cache, lengths, kv_len)
 
     def logits(self, params: dict, tokens: Array, positions: Optional[Array] = None) -> Array:
         """Full causal forward without a cache (training and full recompute)."""
-        if positions is None:
-            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-        return self._run(params, tokens, positions,
-                         lambda i, k, v: (L.heads_major(k), L.heads_major(v), positions))
+        return L.uncached_logits(self._run, params, tokens, positions)
 
     # -- internals ----------------------------------------------------------------------------
 

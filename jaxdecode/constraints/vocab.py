@@ -20,22 +20,10 @@ import weakref
 from typing import Any, Optional, Sequence
 
 from jaxdecode.constraints.formats import fail
+from jaxdecode.host.detokenizer import bytes_to_unicode
 
 
-def _byte_decoder() -> dict:
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
-        range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(bs, cs)}
-
-
-_BYTE_DECODER = _byte_decoder()
+_BYTE_DECODER = {c: b for b, c in bytes_to_unicode().items()}
 
 
 class TokenVocab:
