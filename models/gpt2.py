@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Optional
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from jaxdecode.model_api import KVCache, ModelConfig
+from jaxdecode.model_api import ModelConfig
 from models import layers as L
 
 Array = jax.Array
@@ -54,14 +54,10 @@ class GPT2Config(ModelConfig):
 
 
 @dataclasses.dataclass(frozen=True)
-class GPT2:
+class GPT2(L.CachedDecoder):
     """Implements `jaxdecode.model_api.DecoderModel`."""
 
     config: GPT2Config
-
-    def init_cache(self, batch: int, max_len: int, dtype: Any = jnp.float32) -> KVCache:
-        c = self.config
-        return KVCache.zeros(c.num_layers, batch, max_len, c.num_kv_heads, c.head_dim, dtype)
 
     def init_params(self, key: Array, dtype: Any = jnp.float32, scale: float = 0.02) -> dict:
         """Random parameters (normal * scale, norms at 1, biases at 0)."""
@@ -89,18 +85,6 @@ class GPT2:
         if not c.tie_word_embeddings:
             params["lm_head"] = normal((d, c.vocab_size))
         return params
-
-    # -- the protocol -------------------------------------------------------------------------
-
-    def forward(self, params: dict, tokens: Array, positions: Array, cache: KVCache, *,
-                lengths: Array, kv_len: Optional[int] = None) -> tuple[Array, KVCache]:
-        """The protocol's forward; `kv_len` (static, optional) limits attention to the first
-        kv_len cache positions when the caller knows every row is shorter."""
-        return L.cached_forward(self._run, params, tokens, positions, cache, lengths, kv_len)
-
-    def logits(self, params: dict, tokens: Array, positions: Optional[Array] = None) -> Array:
-        """Full causal forward without a cache (training and full recompute)."""
-        return L.uncached_logits(self._run, params, tokens, positions)
 
     # -- internals ----------------------------------------------------------------------------
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -125,28 +125,37 @@ def attention(q: Array, k: Array, v: Array, q_pos: Array, k_pos: Array,
     return out.reshape(b, kvh, t, g, d).transpose(0, 2, 1, 3, 4).reshape(b, t, h, d)
 
 
-def cached_forward(run, params: dict, tokens: Array, positions: Array, cache: KVCache,
-                   lengths: Array, kv_len: Optional[int]) -> tuple[Array, KVCache]:
-    """The protocol's forward around a family's layer stack `run(params, tokens, positions,
-    kv_source)`: each layer's K/V is written at its absolute positions (padding dropped) and
-    attention reads the first `kv_len` cache positions (all of them by default)."""
-    write_pos = write_positions(positions, lengths, cache.max_len)
-    kv_len = cache.max_len if kv_len is None else min(kv_len, cache.max_len)
-    k_pos = jnp.arange(kv_len, dtype=jnp.int32)
-    new_lengths = updated_lengths(cache, positions, lengths)
+class CachedDecoder:
+    """The `DecoderModel` protocol methods every family shares. A family is a frozen dataclass
+    with a `config` and `_run(params, tokens, positions, kv_source) -> logits`, where
+    `kv_source(layer, k, v)` returns the keys, values and key positions that layer attends to."""
 
-    def kv_source(i, k, v):
-        nonlocal cache
-        cache = write_kv(cache, i, k, v, write_pos)
-        return cache.k[i, :, :, :kv_len], cache.v[i, :, :, :kv_len], k_pos
+    def init_cache(self, batch: int, max_len: int, dtype: Any = jnp.float32) -> KVCache:
+        c = self.config
+        return KVCache.zeros(c.num_layers, batch, max_len, c.num_kv_heads, c.head_dim, dtype)
 
-    logits = run(params, tokens, positions, kv_source)
-    return logits, cache.replace(lengths=new_lengths)
+    def forward(self, params: dict, tokens: Array, positions: Array, cache: KVCache, *,
+                lengths: Array, kv_len: Optional[int] = None) -> tuple[Array, KVCache]:
+        """The protocol's forward: each layer's K/V is written at its absolute positions
+        (padding dropped); `kv_len` (static, optional) limits attention to the first kv_len
+        cache positions when the caller knows every row is shorter."""
+        write_pos = write_positions(positions, lengths, cache.max_len)
+        kv_len = cache.max_len if kv_len is None else min(kv_len, cache.max_len)
+        k_pos = jnp.arange(kv_len, dtype=jnp.int32)
+        new_lengths = updated_lengths(cache, positions, lengths)
 
+        def kv_source(i, k, v):
+            nonlocal cache
+            cache = write_kv(cache, i, k, v, write_pos)
+            return cache.k[i, :, :, :kv_len], cache.v[i, :, :, :kv_len], k_pos
 
-def uncached_logits(run, params: dict, tokens: Array, positions: Optional[Array]) -> Array:
-    """Full causal forward without a cache (training and full recompute)."""
-    if positions is None:
-        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-    return run(params, tokens, positions,
-               lambda i, k, v: (heads_major(k), heads_major(v), positions))
+        logits = self._run(params, tokens, positions, kv_source)
+        return logits, cache.replace(lengths=new_lengths)
+
+    def logits(self, params: dict, tokens: Array, positions: Optional[Array] = None) -> Array:
+        """Full causal forward without a cache (training and full recompute)."""
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32),
+                                         tokens.shape)
+        return self._run(params, tokens, positions,
+                         lambda i, k, v: (heads_major(k), heads_major(v), positions))

@@ -19,7 +19,7 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 
-from jaxdecode.model_api import KVCache, ModelConfig
+from jaxdecode.model_api import ModelConfig
 from models import layers as L
 
 Array = jax.Array
@@ -42,14 +42,10 @@ class LlamaConfig(ModelConfig):
 
 
 @dataclasses.dataclass(frozen=True)
-class Llama:
+class Llama(L.CachedDecoder):
     """Implements `jaxdecode.model_api.DecoderModel`."""
 
     config: LlamaConfig
-
-    def init_cache(self, batch: int, max_len: int, dtype: Any = jnp.float32) -> KVCache:
-        c = self.config
-        return KVCache.zeros(c.num_layers, batch, max_len, c.num_kv_heads, c.head_dim, dtype)
 
     def init_params(self, key: Array, dtype: Any = jnp.float32, scale: float = 0.02) -> dict:
         """Random parameters (normal * scale, norms at 1): for tests, benchmarks and training."""
@@ -78,18 +74,6 @@ class Llama:
         if not c.tie_word_embeddings:
             params["lm_head"] = normal((d, c.vocab_size))
         return params
-
-    # -- the protocol -------------------------------------------------------------------------
-
-    def forward(self, params: dict, tokens: Array, positions: Array, cache: KVCache, *,
-                lengths: Array, kv_len: Optional[int] = None) -> tuple[Array, KVCache]:
-        """The protocol's forward; `kv_len` (static, optional) limits attention to the first
-        kv_len cache positions when the caller knows every row is shorter."""
-        return L.cached_forward(self._run, params, tokens, positions, cache, lengths, kv_len)
-
-    def logits(self, params: dict, tokens: Array, positions: Optional[Array] = None) -> Array:
-        """Full causal forward without a cache (training and full recompute)."""
-        return L.uncached_logits(self._run, params, tokens, positions)
 
     # -- internals ----------------------------------------------------------------------------
 
