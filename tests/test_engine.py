@@ -312,3 +312,21 @@ def test_engine_max_tokens_past_max_len_is_clamped_not_a_failure(tok):
     assert c.error is None and c.finish_reason in (jd.FinishReason.MAX_OUTPUT_TOKENS,
                                                    jd.FinishReason.CONTEXT_LIMIT)
     assert c.usage.selected_tokens == 30 and c.text == "a" * 30
+
+
+def test_events_O2_selected_exceeds_written_by_at_most_one(tok):
+    a = byte_id(tok, "a")
+    with engine([0, a, a, a, EOS], tok) as llm:
+        c = llm.submit([7, 8], greedy(10)).result(timeout=30)
+    selected = written = 0
+    for e in c.events:
+        if e.kind == "token.selected":
+            selected += 1
+            assert e.data["step"] == selected
+        elif e.kind == "decode.completed":
+            written += 1
+            assert e.data["step"] == selected == written  # y_t written right after it was chosen
+            assert e.data["cache_length"] == 2 + written
+        assert selected - written in (0, 1)
+    assert (selected, written) == (4, 3)  # the EOS is selected, never written (O1)
+    assert c.usage.selected_tokens == 4 and c.usage.processed_tokens == 3
