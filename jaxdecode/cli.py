@@ -47,7 +47,7 @@ def load_model(spec: str, dtype: Optional[str] = None):
     return models.load(spec, dtype=dtype)
 
 
-def sampling_from_args(args) -> "SamplingParams":
+def sampling_from_args(args):
     from jaxdecode.config import SamplingParams
 
     try:

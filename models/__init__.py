@@ -12,3 +12,7 @@ def demo(kind: str = "main"):
 
     Files live in the subpackage `models.demo` (importable as a module via sys.modules)."""
     return _load_demo(kind)
+
+
+__all__ = ["CheckpointError", "GPT2", "GPT2Config", "Llama", "LlamaConfig", "demo", "load",
+           "make_mesh", "restore_params", "save_params", "shard_params"]

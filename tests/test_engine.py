@@ -5,7 +5,6 @@ import threading
 import time
 
 import jax
-import numpy as np
 import pytest
 
 import jaxdecode as jd

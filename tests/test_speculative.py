@@ -6,7 +6,6 @@ ending is ever emitted."""
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
