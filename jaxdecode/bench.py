@@ -525,7 +525,11 @@ def write_report(report: dict, out_dir: str) -> list[str]:
     """Write report.json, report.md and PNG plots into `out_dir`; returns the paths written."""
     import json
 
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # matplotlib comes with the dev extra
+        raise SystemExit("--report: the plots need matplotlib (pip install matplotlib, or the "
+                         "project's dev extra)") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
