@@ -229,6 +229,11 @@ def cmd_bench(args) -> int:
         print("--compare-hf: the HF column runs PyTorch on the CPU only", file=sys.stderr)
         args.compare_hf = False
     if args.report:  # the full report: every section, HF side by side when torch is there
+        try:
+            import matplotlib  # noqa: F401  (checked before minutes of measuring, not after)
+        except ImportError:
+            raise SystemExit("--report: the plots need matplotlib (pip install matplotlib, or "
+                             "the project's dev extra)") from None
         args.host_cost = args.engine = True
         try:
             import torch  # noqa: F401
