@@ -40,6 +40,35 @@ class ScriptedModel:
         return logits, cache.replace(lengths=new_len)
 
 
+@dataclasses.dataclass(frozen=True)
+class Bigram:
+    """logits after token x = table[x]: a Markov chain (exact distributions by hand), with a
+    real KVCache's lengths."""
+
+    config: ModelConfig
+    table: tuple
+
+    @classmethod
+    def random(cls, seed, vocab=8, scale=1.5, repeat=2.0):
+        import numpy as np
+
+        # `repeat` favours x -> x, so that penalties on y1 change y2's distribution a lot
+        table = np.random.default_rng(seed).normal(size=(vocab, vocab)) * scale
+        table += repeat * np.eye(vocab)
+        cfg = ModelConfig(vocab_size=vocab, num_layers=1, num_heads=1, num_kv_heads=1,
+                          head_dim=1, max_len=64, eos_token_ids=())
+        return cls(cfg, tuple(map(tuple, table.tolist())))
+
+    def init_cache(self, batch, max_len, dtype=jnp.float32):
+        return KVCache.zeros(1, batch, max_len, 1, 1, dtype)
+
+    def forward(self, params, tokens, positions, cache, *, lengths):
+        logits = jnp.asarray(self.table, jnp.float32)[tokens]
+        real = jnp.arange(tokens.shape[1])[None, :] < lengths[:, None]
+        last = jnp.max(jnp.where(real, positions + 1, 0), axis=1)
+        return logits, cache.replace(lengths=jnp.where(lengths > 0, last, cache.lengths))
+
+
 HOOKS: dict = {}
 
 

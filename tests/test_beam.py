@@ -7,13 +7,13 @@ import dataclasses
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jaxdecode as jd
 import models
-from jaxdecode.model_api import KVCache, ModelConfig
+from jaxdecode.model_api import ModelConfig
+from tests.scripted import Bigram
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -123,21 +123,6 @@ def test_beam_search_per_row_width_equals_separate_calls(tiny_hf_checkpoint):
 
 # -- a hand-computable example -------------------------------------------------------------------
 
-@dataclasses.dataclass(frozen=True)
-class Bigram:
-    """logits after token x = table[x]: a Markov chain with a real KVCache's lengths."""
-
-    config: ModelConfig
-    table: tuple
-
-    def init_cache(self, batch, max_len, dtype=jnp.float32):
-        return KVCache.zeros(1, batch, max_len, 1, 1, dtype)
-
-    def forward(self, params, tokens, positions, cache, *, lengths):
-        logits = jnp.asarray(self.table, jnp.float32)[tokens]
-        real = jnp.arange(tokens.shape[1])[None, :] < lengths[:, None]
-        last = jnp.max(jnp.where(real, positions + 1, 0), axis=1)
-        return logits, cache.replace(lengths=jnp.where(lengths > 0, last, cache.lengths))
 
 
 def bigram(probs: dict, vocab=4, eos=(3,)):

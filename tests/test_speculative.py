@@ -5,7 +5,6 @@ ending is ever emitted."""
 
 from __future__ import annotations
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -13,9 +12,8 @@ import numpy as np
 import pytest
 
 import jaxdecode as jd
-from jaxdecode.model_api import KVCache, ModelConfig
 from models import Llama, LlamaConfig
-from tests.scripted import ScriptedModel
+from tests.scripted import Bigram, ScriptedModel
 
 EOS = 1
 LOOKUP = "prompt_lookup"
@@ -109,30 +107,6 @@ def test_speculative_bad_arguments_name_the_field(target):
 
 # -- the target distribution is preserved (chi-square) -------------------------------------------
 
-@dataclasses.dataclass(frozen=True)
-class Bigram:
-    """logits after token x = table[x] (a Markov chain; exact distributions by hand)."""
-
-    config: ModelConfig
-    table: tuple
-
-    @classmethod
-    def random(cls, seed, vocab=8, scale=1.5, repeat=2.0):
-        # `repeat` favours x -> x, so that the penalties on y1 change y2's distribution a lot
-        table = np.random.default_rng(seed).normal(size=(vocab, vocab)) * scale
-        table += repeat * np.eye(vocab)
-        cfg = ModelConfig(vocab_size=vocab, num_layers=1, num_heads=1, num_kv_heads=1,
-                          head_dim=1, max_len=64, eos_token_ids=())
-        return cls(cfg, tuple(map(tuple, table.tolist())))
-
-    def init_cache(self, batch, max_len, dtype=jnp.float32):
-        return KVCache.zeros(1, batch, max_len, 1, 1, dtype)
-
-    def forward(self, params, tokens, positions, cache, *, lengths):
-        logits = jnp.asarray(self.table, jnp.float32)[tokens]
-        real = jnp.arange(tokens.shape[1])[None, :] < lengths[:, None]
-        last = jnp.max(jnp.where(real, positions + 1, 0), axis=1)
-        return logits, cache.replace(lengths=jnp.where(lengths > 0, last, cache.lengths))
 
 
 def two_token_distribution(first_logits, second_logits, sp):
