@@ -37,15 +37,13 @@ from typing import Any, Iterator, Optional, Sequence, Union
 import jax
 import numpy as np
 
-import jax.numpy as jnp
-
-from jaxdecode import constraints, decode, slots
+from jaxdecode import constraints, decode, step_ops
 from jaxdecode import replay as replay_lib
 from jaxdecode import request_state
 from jaxdecode.config import SamplingParams
 from jaxdecode.host import Lifecycle, OrderedStream, TextPipeline
 from jaxdecode.model_api import DecoderModel
-from jaxdecode.state import EOS, RUNNING, STOP_TOKEN, RowParams, StepState, seed_key_data
+from jaxdecode.state import EOS, RUNNING, STOP_TOKEN, RowParams, seed_key_data
 from jaxdecode.tokenization import encode, eos_token_id
 from jaxdecode.types import (Completion, DecodingError, ErrorCode, FinishReason, RequestState,
                              Usage)
@@ -54,9 +52,7 @@ logger = logging.getLogger(__name__)
 
 Prompt = Union[str, Sequence[int]]
 
-# Attention reads only the first kv_len cache positions, a power of two >= this covering every
-# live row: few compiled variants, and short requests never pay for a long max_len.
-KV_BUCKET_MIN = 256
+KV_BUCKET_MIN = step_ops.KV_BUCKET_MIN
 
 
 class QueueFull(RuntimeError):
@@ -185,7 +181,7 @@ class LLM:
                  max_len: int = 2048, eos_token_ids: Optional[Sequence[int]] = None,
                  max_queue: int = 1024, max_buffered: int = 4096, backpressure: str = "buffer",
                  trace: bool = True, model_source: Optional[str] = None,
-                 mesh: Optional[Any] = None):
+                 mesh: Optional[Any] = None, step_hook: Optional[Any] = None):
         if not isinstance(max_slots, int) or max_slots < 1:
             raise ValueError(f"max_slots: must be a positive integer, got {max_slots!r}")
         if not isinstance(max_len, int) or not 2 <= max_len <= model.config.max_len:
@@ -205,6 +201,11 @@ class LLM:
         # a jax.sharding.Mesh: the step state is placed by slots.state_sharding (KV cache per
         # model_api.CACHE_RULES); shard the params with models.shard_params(params, mesh)
         self.mesh = mesh
+        # every device call is a step_ops.StepOp, given to step_hook.publish(op) before it is
+        # applied: serving/distributed.py broadcasts them to the other hosts' followers
+        self.step_hook = step_hook
+        self._context = step_ops.Context(model, params, max_slots, max_len, self.eos_token_ids,
+                                         mesh, replicate_outputs=step_hook is not None)
         self._hashes: dict = {}
         self.error: Optional[str] = None  # the last engine failure (health)
         self._cond = threading.Condition()
@@ -315,35 +316,13 @@ class LLM:
         return results
 
     def warmup(self, max_prompt_len: int = 64) -> int:
-        """Compile every shape the engine can meet for prompts up to `max_prompt_len`: prefill
-        for each admission batch (powers of two up to max_slots) and prompt bucket, the slot
-        scatter, and the decode step for each attention bucket. Returns the compilations."""
-        before = decode.compilation_count()
-        state = slots.empty_state(self.model, self.params, self.max_slots, self.max_len,
-                                  self.eos_token_ids, mesh=self.mesh)
-        t_buckets = sorted({decode.bucket(n, self.max_len) for n in
-                            range(1, min(max_prompt_len, self.max_len - 1) + 1)})
-        n = 1
-        while True:
-            rows = RowParams.build([SamplingParams()] * n, self.model.config.vocab_size,
-                                   self.eos_token_ids, keys=np.zeros((n, 2), np.uint32))
-            for t in t_buckets:
-                row = decode.prefill(self.model, self.params, np.zeros((n, t), np.int32),
-                                     np.ones((n,), np.int32), rows, self.max_len)
-                state = slots.insert(state, row, np.full((n,), self.max_slots, np.int32))
-            if n >= self.max_slots:
-                break
-            n = min(2 * n, 1 << (self.max_slots - 1).bit_length())
-        flags = np.zeros((self.max_slots,), bool)
-        state = slots.set_flags(state, flags, flags)
-        kv = min(KV_BUCKET_MIN, self.max_len)
-        while True:
-            state, _ = decode.decode_step_jit(self.model, self.params, state, 0, kv)
-            if kv >= self.max_len:
-                break
-            kv = min(2 * kv, self.max_len)
-        jax.block_until_ready(state)
-        return decode.compilation_count() - before
+        """Compile every shape the engine can meet for prompts up to `max_prompt_len`
+        (`step_ops.warmup_shapes`). Returns the compilations. With a step hook, call it before
+        the first request (the op must not interleave with the engine thread's)."""
+        op = step_ops.warmup(max_prompt_len)
+        if self.step_hook is not None:
+            self.step_hook.publish(op)
+        return step_ops.warmup_shapes(self._context, max_prompt_len)
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the engine thread; requests still queued or running end CANCELLED."""
@@ -467,26 +446,12 @@ class LLM:
     def _insert_restored(self, r: RequestHandle, slot: int) -> None:
         a = r.restored
         r.lifecycle.transition(RequestState.PREFILLING)
-        length = int(a["length"])
-        cache = self.model.init_cache(1, self.max_len, decode.params_dtype(self.params))
-        k = np.zeros(cache.k.shape, cache.k.dtype)
-        v = np.zeros(cache.v.shape, cache.v.dtype)
-        k[:, 0, :, :length], v[:, 0, :, :length] = a["k"], a["v"]
-        one = lambda x: jnp.asarray(np.asarray(x)[None])  # noqa: E731
-        rows = RowParams(**{name[5:]: one(value) for name, value in a.items()
-                            if name.startswith("rows.")})
-        row = StepState(cache=cache.replace(k=jnp.asarray(k), v=jnp.asarray(v),
-                                            lengths=jnp.asarray([length], jnp.int32)),
-                        logits=one(a["logits"]), last_token=one(a["last_token"]),
-                        step=one(a["step"]), counts=one(a["counts"]), seen=one(a["seen"]),
-                        done=jnp.zeros((1,), bool), paused=jnp.zeros((1,), bool),
-                        finish=one(a["finish"]), rows=rows)
         initial = self._grammar_tables([r])
+        state = None
         if initial is not None:
             local = int(a["grammar_local"]) if "grammar_local" in a else 0
-            row = row.replace(grammar_state=jnp.asarray(
-                [initial[0] + local if r.grammar is not None else -1], jnp.int32))
-        self._state = slots.insert(self._state, row, np.array([slot], np.int32))
+            state = initial[0] + local if r.grammar is not None else -1
+        self._device(step_ops.restore(a, slot, state))
         self._release[slot] = False
         r.slot, r.dispatched, r.restored = slot, r.selected, None
         self._slots[slot] = r
@@ -609,8 +574,7 @@ class LLM:
             batch = [self._queue.popleft() for _ in range(min(len(free), len(self._queue)))]
             self._cond.notify_all()
         if self._state is None and batch:
-            self._state = slots.empty_state(self.model, self.params, self.max_slots,
-                                            self.max_len, self.eos_token_ids, mesh=self.mesh)
+            self._device(step_ops.init(self.max_slots, self.max_len, self.eos_token_ids))
         fresh = [r for r in batch if r.restored is None]
         restored = [r for r in batch if r.restored is not None]
         try:
@@ -643,13 +607,11 @@ class LLM:
                                            self.max_len - len(r.prompt_ids)))
         rows = RowParams.build(sampling, self.model.config.vocab_size, self.eos_token_ids,
                                keys=keys)
-        prefilled = decode.prefill(self.model, self.params, tokens, lengths, rows, self.max_len)
-        initial = self._grammar_tables(batch)
+        initial, states = self._grammar_tables(batch), None
         if initial is not None:
             states = np.full((n,), -1, np.int32)
             states[:len(batch)] = initial
-            prefilled = prefilled.replace(grammar_state=jnp.asarray(states))
-        self._state = slots.insert(self._state, prefilled, targets)
+        self._device(step_ops.admit(tokens, lengths, targets, rows, states))
         for r, slot in zip(batch, free):
             self._release[slot] = False
             r.slot, r.dispatched = slot, 0
@@ -666,18 +628,15 @@ class LLM:
         if not wanted and self._bundle is None:
             return None
         bundle = constraints.build_tables(wanted, self.model.config.vocab_size)
-        if self._state.grammar_state is None:
-            self._state = self._state.replace(
-                grammar_state=jnp.full((self.max_slots,), -1, jnp.int32))
-        if bundle is not self._bundle:
-            old = np.asarray(self._state.grammar_state)
+        if bundle is not self._bundle or self._state.grammar_state is None:
+            # rebased on the device (no host read of the state: it may span other hosts)
             keys = [r.grammar.key if r is not None and r.grammar is not None else None
                     for r in self._slots]
-            states = (constraints.rebase_states(old, keys, self._bundle, bundle)
-                      if self._bundle is not None else old)
-            states = np.where([k is None for k in keys], -1, states).astype(np.int32)
-            self._state = self._state.replace(grammar_state=jnp.asarray(states),
-                                              grammar=bundle.tables)
+            delta = [bundle.offsets[k] - self._bundle.offsets[k]
+                     if k is not None and self._bundle is not None else 0 for k in keys]
+            self._device(step_ops.grammar(
+                np.array([k is not None for k in keys]), np.array(delta, np.int32),
+                bundle.tables if bundle is not self._bundle else None))
             self._bundle = bundle
         return np.array([bundle.initial_state(r.grammar) for r in batch], np.int32)
 
@@ -691,7 +650,7 @@ class LLM:
                 r.lifecycle.record("backpressure.paused" if now else "backpressure.resumed")
         if self._state is not None and (self._release.any() or paused.any()
                                         or self._paused.any()):
-            self._state = slots.set_flags(self._state, self._release.copy(), paused)
+            self._device(step_ops.flags(self._release.copy(), paused))
         self._release[:] = False
         self._paused = paused
         if not live:
@@ -702,8 +661,16 @@ class LLM:
             r.dispatched += 1
             r.in_flight += 1
             r.lifecycle.record("decode.started", step=r.dispatched)
-        self._state, out = decode.decode_step_jit(self.model, self.params, self._state, 0, kv_len)
+        out = self._device(step_ops.step(kv_len, 0))
         return _Dispatched(out=out, owners=[r if r in live else None for r in owners])
+
+    def _device(self, op: step_ops.StepOp) -> Any:
+        """Every device call of the engine thread: published to the step hook, then applied
+        (`step_ops.apply`, which followers on other hosts run with the same op)."""
+        if self.step_hook is not None:
+            self.step_hook.publish(op)
+        self._state, out = step_ops.apply(self._context, self._state, op)
+        return out
 
     def _process(self, step: _Dispatched) -> None:
         tokens, finish = jax.device_get((step.out.token, step.out.finish))
@@ -805,7 +772,7 @@ class LLM:
             self._queue.clear()
         for r in victims:
             self._fail(r, error, message)
-        self._state = None
+        self._device(step_ops.reset())
         self._bundle = None
         self._slots = [None] * self.max_slots
         self._release[:] = False

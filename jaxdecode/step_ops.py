@@ -1,0 +1,310 @@
+"""Step ops: every device call of the `LLM` engine as a small record of host inputs.
+
+The rule (multi-controller JAX): every process must issue the same jitted calls with the same
+host inputs. The engine decides those inputs on the host -- which prompts to prefill into which
+slots, which rows to release or pause, the attention bucket of the next step -- so it writes
+each decision as a `StepOp` and applies it with `apply`; a follower process
+(`serving/distributed.py`) receives the same ops and applies them with the same `apply` to its
+own state, so leader and followers cannot drift. One op = one device action:
+
+    INIT     empty slot state                    ADMIT    prefill a batch, scatter into slots
+    RESTORE  insert a saved row into a slot      GRAMMAR  new grammar tables / rebased states
+    FLAGS    release and pause masks             STEP     one decode step (kv_len, top_logprobs)
+    RESET    drop the state (after a failure)    WARMUP   compile every engine shape
+    STOP     the leader is shutting down (followers return)
+
+An op is data only: an op code and named numpy arrays (scalars are 0-d arrays). `to_bytes` /
+`from_bytes` serialize it with `np.savez` and load with `allow_pickle=False`, so bytes from the
+network never run code. `VERSION` names the format; a mismatch is an error, never a guess.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import io
+from typing import Any, Mapping, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxdecode import decode, slots
+from jaxdecode.config import SamplingParams
+from jaxdecode.constraints.tables import GrammarTables
+from jaxdecode.model_api import DecoderModel
+from jaxdecode.state import RowParams, StepState
+
+VERSION = 1
+INIT, ADMIT, RESTORE, GRAMMAR, FLAGS, STEP, RESET, WARMUP, STOP = range(1, 10)
+NAMES = {INIT: "init", ADMIT: "admit", RESTORE: "restore", GRAMMAR: "grammar", FLAGS: "flags",
+         STEP: "step", RESET: "reset", WARMUP: "warmup", STOP: "stop"}
+
+# Attention reads only the first kv_len cache positions, a power of two >= this covering every
+# live row: few compiled variants, and short requests never pay for a long max_len.
+KV_BUCKET_MIN = 256
+
+_TABLE_FIELDS = ("allowed", "accepting", "has_next", "dense_next", "indptr", "tokens", "targets")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOp:
+    """One device action: `code` (INIT..STOP) and its host inputs as numpy arrays."""
+
+    code: int
+    arrays: Mapping[str, np.ndarray] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.code not in NAMES:
+            raise ValueError(f"code: unknown step op {self.code!r}")
+        for name, value in self.arrays.items():
+            if not isinstance(value, np.ndarray) or value.dtype.kind not in "biuf":
+                raise ValueError(f"arrays[{name!r}]: expected a numeric numpy array, "
+                                 f"got {type(value).__name__}")
+
+    @property
+    def name(self) -> str:
+        return NAMES[self.code]
+
+    def scalar(self, name: str) -> int:
+        return int(self.arrays[name])
+
+    def equals(self, other: "StepOp") -> bool:
+        """Same code, same names, and each array equal in dtype, shape and bytes."""
+        return (self.code == other.code and self.arrays.keys() == other.arrays.keys()
+                and all(a.dtype == other.arrays[k].dtype and a.shape == other.arrays[k].shape
+                        and a.tobytes() == other.arrays[k].tobytes()
+                        for k, a in self.arrays.items()))
+
+
+# -- constructors (the engine calls these where it decides device inputs) ----------------------
+
+def init(max_slots: int, max_len: int, eos_token_ids: Sequence[int]) -> StepOp:
+    """The config travels with INIT so a follower started with other flags fails loudly."""
+    return StepOp(INIT, {"max_slots": np.int32(max_slots), "max_len": np.int32(max_len),
+                         "eos_token_ids": np.asarray(eos_token_ids, np.int32).reshape(-1)})
+
+
+def admit(tokens: np.ndarray, lengths: np.ndarray, targets: np.ndarray, rows: RowParams,
+          grammar_state: Optional[np.ndarray] = None) -> StepOp:
+    """Prefill tokens int32[n, T] (lengths int32[n]) and scatter row i into slot targets[i]
+    (max_slots drops a padding row); rows: RowParams of numpy arrays."""
+    arrays = {"tokens": tokens, "lengths": lengths, "targets": targets}
+    arrays.update({"rows." + k: np.asarray(v) for k, v in vars(rows).items()})
+    if grammar_state is not None:
+        arrays["grammar_state"] = grammar_state
+    return StepOp(ADMIT, arrays)
+
+
+def restore(saved: Mapping[str, np.ndarray], slot: int,
+            grammar_state: Optional[int] = None) -> StepOp:
+    """Insert a row saved by `LLM.save_request` (its arrays) into `slot`."""
+    arrays = {k: np.asarray(v) for k, v in saved.items() if k != "grammar_local"}
+    arrays["slot"] = np.int32(slot)
+    if grammar_state is not None:
+        arrays["grammar_state"] = np.int32(grammar_state)
+    return StepOp(RESTORE, arrays)
+
+
+def grammar(keep: np.ndarray, delta: np.ndarray, tables: Optional[GrammarTables]) -> StepOp:
+    """Per slot: constrained rows (`keep`) move their state by `delta` (new table offsets minus
+    old ones), other rows become -1 (unconstrained); `tables` (when given) replace the shared
+    table set."""
+    arrays = {"keep": np.asarray(keep, bool), "delta": np.asarray(delta, np.int32)}
+    if tables is not None:
+        arrays["tables.vocab_size"] = np.int32(tables.vocab_size)
+        for f in _TABLE_FIELDS:
+            if getattr(tables, f) is not None:
+                arrays["tables." + f] = np.asarray(getattr(tables, f))
+    return StepOp(GRAMMAR, arrays)
+
+
+def flags(release: np.ndarray, paused: np.ndarray) -> StepOp:
+    return StepOp(FLAGS, {"release": np.asarray(release, bool), "paused": np.asarray(paused, bool)})
+
+
+def step(kv_len: int, top_logprobs: int = 0) -> StepOp:
+    return StepOp(STEP, {"kv_len": np.int32(kv_len), "top_logprobs": np.int32(top_logprobs)})
+
+
+def reset() -> StepOp:
+    return StepOp(RESET)
+
+
+def warmup(max_prompt_len: int) -> StepOp:
+    return StepOp(WARMUP, {"max_prompt_len": np.int32(max_prompt_len)})
+
+
+def stop() -> StepOp:
+    return StepOp(STOP)
+
+
+# -- serialization -----------------------------------------------------------------------------
+
+def to_bytes(op: StepOp) -> bytes:
+    buf = io.BytesIO()
+    np.savez(buf, __version__=np.int32(VERSION), __code__=np.int32(op.code), **op.arrays)
+    return buf.getvalue()
+
+
+def from_bytes(data: bytes) -> StepOp:
+    """The op `to_bytes` wrote; ValueError naming the problem for anything else."""
+    try:
+        with np.load(io.BytesIO(data), allow_pickle=False) as z:
+            arrays = {k: z[k] for k in z.files}
+    except Exception as exc:  # zip or npy errors: not a step op
+        raise ValueError(f"payload: not a step op ({type(exc).__name__}: {exc})") from None
+    version = int(arrays.pop("__version__", -1))
+    if version != VERSION:
+        raise ValueError(f"payload: step op format {version}, this build reads {VERSION}")
+    return StepOp(int(arrays.pop("__code__")), arrays)
+
+
+# -- application (the same on the leader and on every follower) --------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """What `apply` needs besides the state; equal on every process.
+
+    replicate_outputs: gather each step's output (tokens, finish codes, ...) onto every device,
+    so the leader can read it when the state is spread over other hosts' devices. It is a
+    collective, so the leader and its followers must agree: it is on exactly when a mesh is
+    used with a step hook (the leader) or in a follower."""
+
+    model: DecoderModel
+    params: Any
+    max_slots: int
+    max_len: int
+    eos_token_ids: tuple
+    mesh: Optional[Any] = None
+    replicate_outputs: bool = False
+
+
+def apply(ctx: Context, state: Optional[StepState], op: StepOp) -> tuple[Optional[StepState], Any]:
+    """Apply `op` to `state`: returns the new state and the op's output (STEP: the StepOutput;
+    WARMUP: the number of compilations; otherwise None). The state is donated."""
+    a = op.arrays
+    if op.code == INIT:
+        _check_config(ctx, op)
+        return slots.empty_state(ctx.model, ctx.params, ctx.max_slots, ctx.max_len,
+                                 ctx.eos_token_ids, mesh=ctx.mesh), None
+    if op.code == ADMIT:
+        rows = RowParams(**{k[5:]: v for k, v in a.items() if k.startswith("rows.")})
+        prefilled = decode.prefill(ctx.model, ctx.params, a["tokens"], a["lengths"], rows,
+                                   ctx.max_len)
+        if "grammar_state" in a:
+            prefilled = prefilled.replace(grammar_state=a["grammar_state"])
+        return slots.insert(state, prefilled, a["targets"]), None
+    if op.code == RESTORE:
+        return slots.insert(state, _saved_row(ctx, a), np.array([op.scalar("slot")], np.int32)), None
+    if op.code == GRAMMAR:
+        old = (state.grammar_state if state.grammar_state is not None
+               else np.full((ctx.max_slots,), -1, np.int32))
+        state = state.replace(grammar_state=_rebase(old, a["keep"], a["delta"]))
+        if "tables.allowed" in a:
+            state = state.replace(grammar=_tables(ctx, a))
+        return state, None
+    if op.code == FLAGS:
+        return slots.set_flags(state, a["release"], a["paused"]), None
+    if op.code == STEP:
+        state, out = decode.decode_step_jit(ctx.model, ctx.params, state,
+                                            op.scalar("top_logprobs"), op.scalar("kv_len"))
+        if ctx.replicate_outputs and ctx.mesh is not None:
+            out = _replicated(ctx.mesh, out)
+        return state, out
+    if op.code == RESET:
+        return None, None
+    if op.code == WARMUP:
+        return state, warmup_shapes(ctx, op.scalar("max_prompt_len"))
+    raise ValueError(f"op: {op.name} is not applied to a state (the follower loop ends on it)")
+
+
+def warmup_shapes(ctx: Context, max_prompt_len: int) -> int:
+    """Compile every shape the engine can meet for prompts up to `max_prompt_len`: prefill
+    for each admission batch (powers of two up to max_slots) and prompt bucket, the slot
+    scatter, and the decode step for each attention bucket. Returns the compilations."""
+    before = decode.compilation_count()
+    model, params = ctx.model, ctx.params
+    state = slots.empty_state(model, params, ctx.max_slots, ctx.max_len, ctx.eos_token_ids,
+                              mesh=ctx.mesh)
+    t_buckets = sorted({decode.bucket(n, ctx.max_len) for n in
+                        range(1, min(max_prompt_len, ctx.max_len - 1) + 1)})
+    n = 1
+    while True:
+        rows = RowParams.build([SamplingParams()] * n, model.config.vocab_size,
+                               ctx.eos_token_ids, keys=np.zeros((n, 2), np.uint32))
+        for t in t_buckets:
+            row = decode.prefill(model, params, np.zeros((n, t), np.int32),
+                                 np.ones((n,), np.int32), rows, ctx.max_len)
+            state = slots.insert(state, row, np.full((n,), ctx.max_slots, np.int32))
+        if n >= ctx.max_slots:
+            break
+        n = min(2 * n, 1 << (ctx.max_slots - 1).bit_length())
+    flags_ = np.zeros((ctx.max_slots,), bool)
+    state = slots.set_flags(state, flags_, flags_)
+    kv = min(KV_BUCKET_MIN, ctx.max_len)
+    while True:
+        state, out = decode.decode_step_jit(model, params, state, 0, kv)
+        if ctx.replicate_outputs and ctx.mesh is not None:
+            out = _replicated(ctx.mesh, out)
+        if kv >= ctx.max_len:
+            break
+        kv = min(2 * kv, ctx.max_len)
+    jax.block_until_ready(state)
+    return decode.compilation_count() - before
+
+
+def _check_config(ctx: Context, op: StepOp) -> None:
+    theirs = {"max_slots": op.scalar("max_slots"), "max_len": op.scalar("max_len"),
+              "eos_token_ids": tuple(int(i) for i in op.arrays["eos_token_ids"])}
+    ours = {"max_slots": ctx.max_slots, "max_len": ctx.max_len,
+            "eos_token_ids": tuple(ctx.eos_token_ids)}
+    for name, value in theirs.items():
+        if ours[name] != value:
+            raise ValueError(f"{name}: the leader uses {value!r}, this process {ours[name]!r} "
+                             "(start every process with the same flags)")
+
+
+def _saved_row(ctx: Context, a: Mapping[str, np.ndarray]) -> StepState:
+    """A one-row StepState from `LLM.save_request`'s arrays (cache padded to max_len)."""
+    length = int(a["length"])
+    cache = ctx.model.init_cache(1, ctx.max_len, decode.params_dtype(ctx.params))
+    k = np.zeros(cache.k.shape, cache.k.dtype)
+    v = np.zeros(cache.v.shape, cache.v.dtype)
+    k[:, 0, :, :length], v[:, 0, :, :length] = a["k"], a["v"]
+    one = lambda x: jnp.asarray(np.asarray(x)[None])  # noqa: E731
+    rows = RowParams(**{name[5:]: one(value) for name, value in a.items()
+                        if name.startswith("rows.")})
+    row = StepState(cache=cache.replace(k=jnp.asarray(k), v=jnp.asarray(v),
+                                        lengths=jnp.asarray([length], jnp.int32)),
+                    logits=one(a["logits"]), last_token=one(a["last_token"]),
+                    step=one(a["step"]), counts=one(a["counts"]), seen=one(a["seen"]),
+                    done=jnp.zeros((1,), bool), paused=jnp.zeros((1,), bool),
+                    finish=one(a["finish"]), rows=rows)
+    if "grammar_state" in a:
+        row = row.replace(grammar_state=jnp.asarray([int(a["grammar_state"])], jnp.int32))
+    return row
+
+
+@jax.jit
+def _rebase(old: jax.Array, keep: jax.Array, delta: jax.Array) -> jax.Array:
+    return jnp.where(keep, jnp.where(old >= 0, old + delta, old), -1).astype(jnp.int32)
+
+
+def _tables(ctx: Context, a: Mapping[str, np.ndarray]) -> GrammarTables:
+    """The shared tables on the device(s): replicated over the mesh when there is one."""
+    put = ((lambda x: jax.device_put(x, NamedSharding(ctx.mesh, PartitionSpec())))
+           if ctx.mesh is not None else jnp.asarray)
+    fields = {f: put(a["tables." + f]) for f in _TABLE_FIELDS if "tables." + f in a}
+    return GrammarTables(vocab_size=int(a["tables.vocab_size"]), **fields)
+
+
+def _replicated(mesh: Any, tree: Any) -> Any:
+    """`tree` gathered onto every device of `mesh` (a collective: every process calls it)."""
+    return _replicator(mesh)(tree)
+
+
+@functools.lru_cache(maxsize=None)
+def _replicator(mesh: Any):
+    return jax.jit(lambda tree: tree, out_shardings=NamedSharding(mesh, PartitionSpec()))
