@@ -80,9 +80,13 @@ class StepOp:
 
 # -- constructors (the engine calls these where it decides device inputs) ----------------------
 
+def _i32(value: int) -> np.ndarray:
+    return np.array(value, np.int32)
+
+
 def init(max_slots: int, max_len: int, eos_token_ids: Sequence[int]) -> StepOp:
     """The config travels with INIT so a follower started with other flags fails loudly."""
-    return StepOp(INIT, {"max_slots": np.int32(max_slots), "max_len": np.int32(max_len),
+    return StepOp(INIT, {"max_slots": _i32(max_slots), "max_len": _i32(max_len),
                          "eos_token_ids": np.asarray(eos_token_ids, np.int32).reshape(-1)})
 
 
@@ -101,9 +105,9 @@ def restore(saved: Mapping[str, np.ndarray], slot: int,
             grammar_state: Optional[int] = None) -> StepOp:
     """Insert a row saved by `LLM.save_request` (its arrays) into `slot`."""
     arrays = {k: np.asarray(v) for k, v in saved.items() if k != "grammar_local"}
-    arrays["slot"] = np.int32(slot)
+    arrays["slot"] = _i32(slot)
     if grammar_state is not None:
-        arrays["grammar_state"] = np.int32(grammar_state)
+        arrays["grammar_state"] = _i32(grammar_state)
     return StepOp(RESTORE, arrays)
 
 
@@ -113,7 +117,7 @@ def grammar(keep: np.ndarray, delta: np.ndarray, tables: Optional[GrammarTables]
     table set."""
     arrays = {"keep": np.asarray(keep, bool), "delta": np.asarray(delta, np.int32)}
     if tables is not None:
-        arrays["tables.vocab_size"] = np.int32(tables.vocab_size)
+        arrays["tables.vocab_size"] = _i32(tables.vocab_size)
         for f in _TABLE_FIELDS:
             if getattr(tables, f) is not None:
                 arrays["tables." + f] = np.asarray(getattr(tables, f))
@@ -125,7 +129,7 @@ def flags(release: np.ndarray, paused: np.ndarray) -> StepOp:
 
 
 def step(kv_len: int, top_logprobs: int = 0) -> StepOp:
-    return StepOp(STEP, {"kv_len": np.int32(kv_len), "top_logprobs": np.int32(top_logprobs)})
+    return StepOp(STEP, {"kv_len": _i32(kv_len), "top_logprobs": _i32(top_logprobs)})
 
 
 def reset() -> StepOp:
@@ -133,7 +137,7 @@ def reset() -> StepOp:
 
 
 def warmup(max_prompt_len: int) -> StepOp:
-    return StepOp(WARMUP, {"max_prompt_len": np.int32(max_prompt_len)})
+    return StepOp(WARMUP, {"max_prompt_len": _i32(max_prompt_len)})
 
 
 def stop() -> StepOp:
@@ -144,7 +148,7 @@ def stop() -> StepOp:
 
 def to_bytes(op: StepOp) -> bytes:
     buf = io.BytesIO()
-    np.savez(buf, __version__=np.int32(VERSION), __code__=np.int32(op.code), **op.arrays)
+    np.savez(buf, __version__=_i32(VERSION), __code__=_i32(op.code), **op.arrays)
     return buf.getvalue()
 
 
