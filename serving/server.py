@@ -3,9 +3,13 @@
     jaxdecode serve --model DIR|demo --host 127.0.0.1 --port 8000 --max-slots N --max-len N
                     [--api-key KEY] [--on-disconnect cancel|continue] [--max-queue N]
                     [--model-name NAME] [--record-dir DIR] [--log-prompts] [--max-body-bytes N] [--warmup]
+                    [--mesh data=N,model=M] [--distributed [--coordinator-address HOST:PORT
+                     --num-processes N --process-id I]]
 
 The server binds 127.0.0.1 unless told otherwise; the api key may also come from the
 JAXDECODE_API_KEY environment variable. Logs are JSON lines on stderr (`serving.logs`).
+`--distributed` (serving/distributed.py, serving/README.md): every host runs the same command;
+process 0 serves HTTP and broadcasts its step ops, the others replay them.
 """
 
 from __future__ import annotations
@@ -80,24 +84,43 @@ def main(args: Any) -> int:
     from serving.logs import configure_logging, log_event
 
     configure_logging(args.log_level)
+    distributed = getattr(args, "distributed", False)
+    if distributed:
+        from serving import distributed as dist
+        dist.initialize(args)  # before anything touches a device
     model, params, tokenizer = load_model(args.model)
     if tokenizer is None:
         raise SystemExit(f"--model: {args.model!r} has no tokenizer files; the server needs one")
     max_len = args.max_len or min(model.config.max_len, 4096)
-    mesh = None
-    if getattr(args, "mesh", None):
-        from models.sharding import parse_mesh, shard_params
-        try:
-            mesh = parse_mesh(args.mesh)
+    mesh, params_hash = None, None
+    if getattr(args, "mesh", None) or distributed:
+        from jaxdecode.replay import params_hash as hash_params
+        from models.sharding import make_mesh, parse_mesh, shard_params
+        try:  # distributed: one mesh over every host's devices
+            mesh = parse_mesh(args.mesh) if args.mesh else make_mesh(data=1)
         except ValueError as e:
             raise SystemExit(f"--mesh: {e}")
+        if distributed:  # hashed while whole: sharded leaves may live on other hosts
+            params_hash = hash_params(params)
         params = shard_params(params, mesh)
+    if distributed:
+        import jax
+        if jax.process_index() != 0:
+            log_event("follower.start", process=jax.process_index(), devices=jax.device_count())
+            applied = dist.run_follower(
+                model, params, dist.CollectiveBroadcaster(), max_slots=args.max_slots,
+                max_len=max_len, eos_token_ids=dist.engine_eos_ids(model, tokenizer), mesh=mesh)
+            log_event("follower.stop", process=jax.process_index(), ops=applied)
+            return 0
+    hook = dist.CollectiveBroadcaster() if distributed else None
     api_key: Optional[str] = args.api_key or os.environ.get("JAXDECODE_API_KEY") or None
     try:
         llm = LLM(model, params, tokenizer, max_slots=args.max_slots, max_len=max_len,
-                  max_queue=args.max_queue, model_source=args.model, mesh=mesh)
+                  max_queue=args.max_queue, model_source=args.model, mesh=mesh, step_hook=hook)
     except ValueError as e:
         raise SystemExit(f"--{str(e).split(':')[0].replace('_', '-')}: {e}")
+    if params_hash is not None:
+        llm._hashes["params"] = params_hash
     name = args.model_name or (args.model if args.model == "demo"
                                else os.path.basename(os.path.normpath(args.model)))
     if args.warmup:
@@ -115,6 +138,9 @@ def main(args: Any) -> int:
         serve_app(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:
         llm.close()
+        if hook is not None:  # the engine thread has stopped: the followers may return
+            from jaxdecode import step_ops
+            hook.publish(step_ops.stop())
     return 0
 
 
@@ -145,5 +171,14 @@ def add_arguments(p: Any) -> None:
                    help="compile every engine shape before accepting requests")
     p.add_argument("--mesh", default=None, metavar="data=N,model=M",
                    help="shard over a device mesh (docs/sharding.md); default: one device")
+    p.add_argument("--distributed", action="store_true",
+                   help="multi-host: jax.distributed.initialize(); process 0 serves HTTP, the "
+                        "others replay its steps (serving/README.md)")
+    p.add_argument("--coordinator-address", default=None, metavar="HOST:PORT",
+                   help="with --distributed: process 0's address (default: auto-detected)")
+    p.add_argument("--num-processes", type=int, default=None,
+                   help="with --distributed: how many processes (default: auto-detected)")
+    p.add_argument("--process-id", type=int, default=None,
+                   help="with --distributed: this process's index (default: auto-detected)")
     p.add_argument("--log-level", default="info",
                    choices=("debug", "info", "warning", "error"))

@@ -1,0 +1,295 @@
+"""Multi-host serving (jaxdecode/step_ops.py, serving/distributed.py): the step ops round-trip
+exactly; a follower replaying the leader's op stream gets the leader's step outputs bit for bit;
+the device broadcast runs under jit on a mesh of 8 simulated CPU devices; and
+`jaxdecode serve --distributed` works with two real processes (CPU collectives over gloo)."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import jaxdecode as jd
+from jaxdecode import step_ops
+from jaxdecode.constraints.tables import GrammarTables
+from jaxdecode.state import RowParams
+from serving import distributed as dist
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEMO_WEIGHTS = os.path.join(ROOT, "models", "demo", "main.safetensors")
+
+
+def _ops():
+    rows = RowParams.build([jd.SamplingParams(temperature=0.7, top_k=5, logit_bias={3: -1.5},
+                                              stop_token_ids=(4,)), jd.SamplingParams()],
+                           vocab_size=16, eos_token_ids=(2,),
+                           keys=np.array([[1, 2], [3, 4]], np.uint32))
+    tables = GrammarTables(allowed=np.arange(6, dtype=np.uint32).reshape(3, 2),
+                           accepting=np.array([False, True, False]),
+                           has_next=np.array([True, False, True]),
+                           indptr=np.array([0, 1, 2, 2], np.int32),
+                           tokens=np.array([5, 7], np.int32), targets=np.array([1, 2], np.int32),
+                           vocab_size=16)
+    saved = {"k": np.ones((1, 1, 3, 2), np.float32), "length": np.array(3, np.int32),
+             "rows.keys": np.array([9, 9], np.uint32), "grammar_local": np.array(2, np.int32)}
+    return [step_ops.init(4, 64, (2, 5)),
+            step_ops.admit(np.arange(32, dtype=np.int32).reshape(2, 16),
+                           np.array([3, 16], np.int32), np.array([0, 4], np.int32), rows),
+            step_ops.admit(np.zeros((1, 16), np.int32), np.ones(1, np.int32),
+                           np.array([1], np.int32), rows, np.array([7], np.int32)),
+            step_ops.restore(saved, 2, grammar_state=5),
+            step_ops.grammar(np.array([True, False]), np.array([3, 0], np.int32), tables),
+            step_ops.grammar(np.array([True, True]), np.array([0, 0], np.int32), None),
+            step_ops.flags(np.array([True, False]), np.array([False, True])),
+            step_ops.step(512, 3), step_ops.reset(), step_ops.warmup(64), step_ops.stop()]
+
+
+def test_step_ops_round_trip_exactly():
+    ops = _ops()
+    assert {op.code for op in ops} == set(step_ops.NAMES)
+    for op in ops:
+        back = step_ops.from_bytes(step_ops.to_bytes(op))
+        assert back.equals(op), op.name
+        assert all(back.arrays[k].dtype == v.dtype for k, v in op.arrays.items())
+    admit = ops[1]
+    assert admit.arrays["rows.bias"][0, 3] == np.float32(-1.5)
+    assert "grammar_local" not in ops[3].arrays and ops[3].scalar("grammar_state") == 5
+    assert not ops[1].equals(ops[2]) and not ops[7].equals(step_ops.step(512, 0))
+
+
+def test_step_ops_errors_name_the_field():
+    with pytest.raises(ValueError, match="code"):
+        step_ops.StepOp(99)
+    with pytest.raises(ValueError, match=r"arrays\['x'\]"):
+        step_ops.StepOp(step_ops.STEP, {"x": np.array(["text"], object)})
+    with pytest.raises(ValueError, match="payload: not a step op"):
+        step_ops.from_bytes(b"not a zip")
+    import io
+
+    buf = io.BytesIO()
+    np.savez(buf, __version__=np.int32(step_ops.VERSION + 1), __code__=np.int32(step_ops.STOP))
+    with pytest.raises(ValueError, match="payload: step op format"):
+        step_ops.from_bytes(buf.getvalue())
+    ctx = step_ops.Context(None, None, max_slots=4, max_len=64, eos_token_ids=(2,))
+    with pytest.raises(ValueError, match="max_len: the leader uses 128"):
+        step_ops.apply(ctx, None, step_ops.init(4, 128, (2,)))
+    with pytest.raises(ValueError, match="stop is not applied"):
+        step_ops.apply(ctx, None, step_ops.stop())
+
+
+def test_payload_buckets_are_powers_of_two():
+    assert [dist.payload_bucket(n) for n in (0, 1, 4096, 4097, 70000)] == [4096, 4096, 4096,
+                                                                           8192, 131072]
+
+
+class _Recorder:
+    """Wraps step_ops.apply: the STEP outputs of each thread (engine, follower), in order."""
+
+    def __init__(self, monkeypatch):
+        self.outputs: dict = {}
+        real = step_ops.apply
+
+        def apply(ctx, state, op):
+            state, out = real(ctx, state, op)
+            if op.code == step_ops.STEP:
+                self.outputs.setdefault(threading.current_thread().name, []).append(
+                    tuple(np.asarray(x) for x in (out.token, out.finish, out.logprob)))
+            return state, out
+
+        monkeypatch.setattr(step_ops, "apply", apply)
+
+
+@pytest.mark.skipif(not os.path.exists(DEMO_WEIGHTS), reason="demo weights are not present")
+def test_follower_replays_the_leader_bit_for_bit(monkeypatch):
+    """Greedy, seeded sampling, stop strings, two grammars arriving apart (table rebuild and
+    rebase), a cancel mid-way and slot reuse: the follower's step outputs equal the leader's."""
+    import models
+
+    model, params, tok = models.demo()
+    rec = _Recorder(monkeypatch)
+    channel = dist.QueueBroadcaster()
+    applied: list = []
+    follower = threading.Thread(name="follower", target=lambda: applied.append(dist.run_follower(
+        model, params, channel, max_slots=3, max_len=128,
+        eos_token_ids=dist.engine_eos_ids(model, tok))))
+    follower.start()
+    with jd.LLM(model, params, tok, max_slots=3, max_len=128, step_hook=channel) as llm:
+        hs = [llm.submit("def main():", jd.SamplingParams(temperature=0, max_tokens=12)),
+              llm.submit("x = ", jd.SamplingParams(seed=7, max_tokens=10, stop=("\n",))),
+              llm.submit("name = '", jd.SamplingParams(
+                  seed=3, max_tokens=8, response_format={"type": "regex", "pattern": "[a-z]+"}))]
+        long = llm.submit("class A:", jd.SamplingParams(seed=5, max_tokens=100, ignore_eos=True))
+        next(e for e in long.events() if e.kind == "delta")
+        long.cancel()
+        hs.append(llm.submit("answer = ", jd.SamplingParams(
+            seed=11, max_tokens=6, response_format={"type": "choice", "choices": ["yes", "no"]})))
+        hs.append(llm.submit("import ", jd.SamplingParams(seed=1, max_tokens=9, top_p=0.9)))
+        done = [h.result(timeout=300) for h in hs]
+    channel.publish(step_ops.stop())
+    follower.join(120)
+    assert not follower.is_alive() and applied and applied[0] > 0
+    assert long.result().state == jd.RequestState.CANCELLED
+    assert all(c.error is None for c in done), [c.error for c in done]
+    assert done[3].text in ("yes", "no")
+    lead, follow = rec.outputs["jaxdecode-engine"], rec.outputs["follower"]
+    assert len(lead) == len(follow) > 10
+    for t, (a, b) in enumerate(zip(lead, follow)):
+        for x, y in zip(a, b):
+            assert x.tobytes() == y.tobytes(), f"step {t}"
+
+
+MESH_SCRIPT = textwrap.dedent(r"""
+    import json
+    import jax
+    import numpy as np
+    import jaxdecode as jd
+    import models
+    from jaxdecode import step_ops
+    from models import Llama, LlamaConfig
+    from serving import distributed as dist
+    from tests.host_fixtures import byte_level_from_table
+
+    assert jax.device_count() == 8 and jax.process_count() == 1
+    cfg = LlamaConfig(vocab_size=256, num_layers=2, num_heads=8, num_kv_heads=4, head_dim=4,
+                      max_len=64, hidden_size=32, intermediate_size=36, eos_token_ids=(1,))
+    model = Llama(cfg)
+    params = model.init_params(jax.random.key(0), scale=0.3)
+    tok = byte_level_from_table({})
+    mesh = models.make_mesh(2, 4)
+    sp = models.shard_params(params, mesh)
+
+    out = {"zeros": dist.broadcast(np.arange(5, dtype=np.int32), False).tolist(),
+           "same": dist.broadcast(np.arange(5, dtype=np.int32), True).tolist()}
+    collective = dist.CollectiveBroadcaster(is_source=True)
+    replay = dist.QueueBroadcaster()
+    sizes = []
+
+    class Hook:  # the collective path, then what it delivered into a queue for a follower
+        def publish(self, op):
+            got = collective.publish(op)
+            assert got.equals(op), op.name
+            sizes.append(dist.payload_bucket(len(step_ops.to_bytes(op))))
+            replay.publish(got)
+
+    reqs = [jd.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True,
+                              utf8_errors="replace"),
+            jd.SamplingParams(max_tokens=8, temperature=1.0, seed=3, ignore_eos=True,
+                              utf8_errors="replace")] * 3
+    prompts = [[5, 6, 7], [9, 10], [40, 41, 42, 43], [3], [8, 8], [1, 2, 3, 4, 5]]
+    steps = []
+    real = step_ops.apply
+    def apply(ctx, state, op):
+        state, o = real(ctx, state, op)
+        if op.code == step_ops.STEP:
+            steps.append((ctx.replicate_outputs, np.asarray(o.token).tolist(),
+                          o.token.sharding.is_fully_replicated))
+        return state, o
+    step_ops.apply = apply
+    with jd.LLM(model, sp, tok, max_slots=4, max_len=64, mesh=mesh, step_hook=Hook()) as llm:
+        outs = [list(c.token_ids) for c in llm.generate(prompts, reqs)]
+    replay.publish(step_ops.stop())
+    lead = [s for s in steps if s[0]]
+    n = len(lead)
+    dist.run_follower(model, sp, replay, max_slots=4, max_len=64, eos_token_ids=(1,), mesh=mesh)
+    follow = [s for s in steps[n:] if s[0]]
+    with jd.LLM(model, params, tok, max_slots=4, max_len=64) as plain:
+        ref = [list(c.token_ids) for c in plain.generate(prompts, reqs)]
+    out.update(outs=outs, ref=ref, lead=[s[1] for s in lead], follow=[s[1] for s in follow],
+               replicated=all(s[2] for s in lead + follow), sizes=sorted(set(sizes)))
+    print("RESULT" + json.dumps(out))
+""")
+
+
+def _env(devices: int) -> dict:
+    return dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
+                XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") +
+                           f" --xla_force_host_platform_device_count={devices}").strip())
+
+
+def test_collective_broadcast_on_a_mesh_of_8_devices():
+    """One process, 8 devices, mesh data=2 x model=4: every op goes through the jitted
+    broadcast (header, then the bucketed payload) and comes back equal; the follower fed with
+    what it delivered gets the leader's step outputs; tokens equal the unsharded engine's."""
+    proc = subprocess.run([sys.executable, "-c", MESH_SCRIPT], cwd=ROOT, env=_env(8),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads([x for x in proc.stdout.splitlines() if x.startswith("RESULT")][-1][6:])
+    assert out["zeros"] == [0] * 5 and out["same"] == list(range(5))
+    assert out["lead"] == out["follow"] and len(out["lead"]) >= 8
+    assert out["outs"] == out["ref"]
+    assert out["replicated"]
+    assert all(s & (s - 1) == 0 for s in out["sizes"]) and len(out["sizes"]) <= 3
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve(pid: int, n: int, coord: int, http: int, mesh: str, env: dict) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "jaxdecode.cli", "serve", "--model", "demo", "--port", str(http),
+           "--max-slots", "2", "--max-len", "128", "--distributed",
+           "--coordinator-address", f"127.0.0.1:{coord}", "--num-processes", str(n),
+           "--process-id", str(pid), "--mesh", mesh, "--log-level", "warning"]
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _wait_http(url: str, procs: list, timeout: float = 300) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for p in procs:
+            if p.poll() is not None:
+                raise AssertionError(p.stderr.read()[-4000:])
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            time.sleep(0.5)
+    raise AssertionError("the server did not come up")
+
+
+@pytest.mark.skipif(not os.path.exists(DEMO_WEIGHTS), reason="demo weights are not present")
+@pytest.mark.parametrize("processes", [1, 2])
+def test_serve_distributed_processes_on_cpu(processes):
+    """`jaxdecode serve --distributed`: one process (a loopback), or two (process 0 serves HTTP,
+    process 1 follows; the mesh spans both; gloo CPU collectives) answer like jd.generate, and
+    SIGINT to process 0 stops the follower too."""
+    import httpx
+
+    import models
+
+    coord, http = _free_port(), _free_port()
+    env = dict(_env(8 // processes), JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo")
+    procs = [_serve(i, processes, coord, http, "data=2,model=4", env) for i in range(processes)]
+    try:
+        url = f"http://127.0.0.1:{http}"
+        _wait_http(url, procs)
+        body = {"model": "demo", "prompt": "def main():", "max_tokens": 12, "temperature": 0}
+        r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        text = r.json()["choices"][0]["text"]
+        body = dict(body, temperature=0.8, seed=5, n=2)
+        r2 = httpx.post(url + "/v1/completions", json=body, timeout=120)
+        assert r2.status_code == 200 and len(r2.json()["choices"]) == 2
+    finally:
+        procs[0].send_signal(signal.SIGINT)
+        codes = [p.wait(timeout=120) for p in procs]
+        errs = [p.stderr.read() for p in procs]
+    assert codes == [0] * processes, [e[-2000:] for e in errs]
+    if processes == 2:
+        assert "follower.stop" in errs[1], errs[1][-2000:]
+    model, params, tok = models.demo()
+    with jd.LLM(model, params, tok, max_slots=2, max_len=128) as llm:
+        assert llm.generate("def main():", jd.SamplingParams(temperature=0, max_tokens=12)
+                            ).text == text
