@@ -297,3 +297,12 @@ def test_serve_distributed_processes_on_cpu(processes):
     with jd.LLM(model, params, tok, max_slots=2, max_len=128) as llm:
         [ref] = llm.generate("def main():", jd.SamplingParams(temperature=0, max_tokens=12))
     assert ref.text == text
+
+
+def test_coordinator_flags_all_three_or_none():
+    from jaxdecode.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--distributed", "--num-processes", "2"])
+    assert args.distributed and args.coordinator_address is None and args.process_id is None
+    with pytest.raises(SystemExit, match="give all three or none"):
+        dist.initialize(args)
