@@ -6,7 +6,8 @@ together. Only this module of `jaxdecode` imports `models` / `serving`, inside t
     jaxdecode replay FILE [--model DIR|demo]
     jaxdecode serve [--model DIR|demo] [--host 127.0.0.1] [--port 8000] [--max-slots N] [--max-len N]
         [--api-key KEY] [--on-disconnect cancel|continue] [--max-queue N]
-        (the OpenAI-compatible HTTP server of `serving/`)
+        [--mesh data=N,model=M] [--distributed]
+        (the OpenAI-compatible HTTP server of `serving/`; multi-host: serving/README.md)
     jaxdecode bench [--model DIR|demo|CONFIG] [--batch N]... [--compare-hf] [--json FILE]
 """
 

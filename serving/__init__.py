@@ -5,7 +5,8 @@
 
 Modules: `app` (routes, streaming, disconnect policy), `protocol` (request models, errors,
 finish-reason mapping), `chat` (chat templates), `streams` (SSE event logs and resume),
-`metrics` (Prometheus), `logs` (JSON logs), `server` (`jaxdecode serve`, `ServerThread`).
+`metrics` (Prometheus), `logs` (JSON logs), `server` (`jaxdecode serve`, `ServerThread`),
+`distributed` (multi-host: `serve --distributed`, README.md).
 Importing this package is cheap: FastAPI is imported when `create_app` is first used.
 """
 
