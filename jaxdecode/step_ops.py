@@ -271,23 +271,24 @@ def _check_config(ctx: Context, op: StepOp) -> None:
 
 
 def _saved_row(ctx: Context, a: Mapping[str, np.ndarray]) -> StepState:
-    """A one-row StepState from `LLM.save_request`'s arrays (cache padded to max_len)."""
+    """A one-row StepState from `LLM.save_request`'s arrays (cache padded to max_len). Numpy
+    leaves only: jit places them like the state (no array committed to one local device)."""
     length = int(a["length"])
-    cache = ctx.model.init_cache(1, ctx.max_len, decode.params_dtype(ctx.params))
+    cache = jax.eval_shape(lambda: ctx.model.init_cache(1, ctx.max_len,
+                                                        decode.params_dtype(ctx.params)))
     k = np.zeros(cache.k.shape, cache.k.dtype)
     v = np.zeros(cache.v.shape, cache.v.dtype)
     k[:, 0, :, :length], v[:, 0, :, :length] = a["k"], a["v"]
-    one = lambda x: jnp.asarray(np.asarray(x)[None])  # noqa: E731
+    one = lambda x: np.asarray(x)[None]  # noqa: E731
     rows = RowParams(**{name[5:]: one(value) for name, value in a.items()
                         if name.startswith("rows.")})
-    row = StepState(cache=cache.replace(k=jnp.asarray(k), v=jnp.asarray(v),
-                                        lengths=jnp.asarray([length], jnp.int32)),
+    row = StepState(cache=cache.replace(k=k, v=v, lengths=np.array([length], np.int32)),
                     logits=one(a["logits"]), last_token=one(a["last_token"]),
                     step=one(a["step"]), counts=one(a["counts"]), seen=one(a["seen"]),
-                    done=jnp.zeros((1,), bool), paused=jnp.zeros((1,), bool),
+                    done=np.zeros((1,), bool), paused=np.zeros((1,), bool),
                     finish=one(a["finish"]), rows=rows)
     if "grammar_state" in a:
-        row = row.replace(grammar_state=jnp.asarray([int(a["grammar_state"])], jnp.int32))
+        row = row.replace(grammar_state=np.array([int(a["grammar_state"])], np.int32))
     return row
 
 

@@ -107,9 +107,10 @@ class _Recorder:
 
 
 @pytest.mark.skipif(not os.path.exists(DEMO_WEIGHTS), reason="demo weights are not present")
-def test_follower_replays_the_leader_bit_for_bit(monkeypatch):
+def test_follower_replays_the_leader_bit_for_bit(monkeypatch, tmp_path):
     """Greedy, seeded sampling, stop strings, two grammars arriving apart (table rebuild and
-    rebase), a cancel mid-way and slot reuse: the follower's step outputs equal the leader's."""
+    rebase), a cancel mid-way, slot reuse, a request saved and restored: the follower's step
+    outputs equal the leader's."""
     import models
 
     model, params, tok = models.demo()
@@ -132,12 +133,20 @@ def test_follower_replays_the_leader_bit_for_bit(monkeypatch):
             seed=11, max_tokens=6, response_format={"type": "choice", "choices": ["yes", "no"]})))
         hs.append(llm.submit("import ", jd.SamplingParams(seed=1, max_tokens=9, top_p=0.9)))
         done = [h.result(timeout=300) for h in hs]
+        saved = llm.submit("def f(x):", jd.SamplingParams(seed=2, max_tokens=14, ignore_eos=True))
+        next(e for e in saved.events() if e.kind == "delta")
+        llm.save_request(saved, str(tmp_path / "saved"))
+        saved.cancel()
+        restored = llm.restore_request(str(tmp_path / "saved")).result(timeout=300)
+        [whole] = llm.generate("def f(x):", jd.SamplingParams(seed=2, max_tokens=14,
+                                                              ignore_eos=True))
     channel.publish(step_ops.stop())
     follower.join(120)
     assert not follower.is_alive() and applied and applied[0] > 0
     assert long.result().state == jd.RequestState.CANCELLED
     assert all(c.error is None for c in done), [c.error for c in done]
     assert done[3].text in ("yes", "no")
+    assert restored.token_ids == whole.token_ids and len(whole.token_ids) == 14
     lead, follow = rec.outputs["jaxdecode-engine"], rec.outputs["follower"]
     assert len(lead) == len(follow) > 10
     for t, (a, b) in enumerate(zip(lead, follow)):
