@@ -201,7 +201,8 @@ def apply(ctx: Context, state: Optional[StepState], op: StepOp) -> tuple[Optiona
             prefilled = prefilled.replace(grammar_state=a["grammar_state"])
         return slots.insert(state, prefilled, a["targets"]), None
     if op.code == RESTORE:
-        return slots.insert(state, _saved_row(ctx, a), np.array([op.scalar("slot")], np.int32)), None
+        target = np.array([op.scalar("slot")], np.int32)
+        return slots.insert(state, _saved_row(ctx, a), target), None
     if op.code == GRAMMAR:
         old = (state.grammar_state if state.grammar_state is not None
                else np.full((ctx.max_slots,), -1, np.int32))
