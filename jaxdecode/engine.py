@@ -19,6 +19,15 @@ Usage (SPEC §9): selected = tokens the device chose for the request; processed 
 into the cache while the request went on (`decode.completed`); returned = those whose text was
 returned. With several endings on one token the one that ends the text wins (S9).
 
+Log-probabilities (`SamplingParams.logprobs` = N > 0): every selected token's raw log-probability
+and top N are kept with the request (`TokenLogprob`). The step computes a static top
+`LOGPROBS_K` (the largest N allowed) whenever some live row asked, else none, so new values of N
+never recompile; only then are they fetched. Reported are exactly the returned tokens
+(`usage.returned_tokens`; those hidden by a stop string, a stop id or EOS are not), in order:
+each delta event carries, in `data["logprobs"]`, the entries of the tokens that became returned
+since the previous delta (a token is returned once its text begins inside the returned text),
+the final delta also those that showed no text; `Completion.logprobs` holds them all.
+
 Streams without a reader: `generate()` uses the `final_only` kind, so nothing accumulates;
 `submit()` keeps up to `max_buffered` unsent events under the chosen back-pressure policy.
 """
@@ -48,11 +57,15 @@ from jaxdecode.model_api import DecoderModel
 from jaxdecode.state import EOS, RUNNING, STOP_TOKEN, RowParams, StepState, seed_key_data
 from jaxdecode.tokenization import encode, eos_token_id
 from jaxdecode.types import (Completion, DecodingError, ErrorCode, FinishReason, RequestState,
-                             Usage)
+                             TokenLogprob, Usage)
 
 logger = logging.getLogger(__name__)
 
 Prompt = Union[str, Sequence[int]]
+
+# The static top-k of a decode step when some live row asked for logprobs (SamplingParams.logprobs
+# is at most 20; the vocabulary may be smaller). Steps use k = 0 or this, nothing else.
+LOGPROBS_K = 20
 
 # Attention reads only the first kv_len cache positions, a power of two >= this covering every
 # live row: few compiled variants, and short requests never pay for a long max_len.
@@ -94,6 +107,9 @@ class RequestHandle:
             include_stop_in_output=sampling.include_stop_in_output,
             skip_special_tokens=sampling.skip_special_tokens, errors=sampling.utf8_errors)
         self.token_ids: list[int] = []
+        # one TokenLogprob per selected token when the request asked for logprobs, else None
+        self.logprobs: Optional[list[TokenLogprob]] = [] if sampling.logprobs else None
+        self.reported = 0  # logprobs already sent in a delta
         self.selected = 0
         self.processed = 0
         self.dispatched = 0  # steps dispatched while in a slot (one may be ahead of `selected`)
@@ -152,6 +168,15 @@ class RequestHandle:
                      processed_tokens=self.processed,
                      returned_tokens=self.pipeline.returned_tokens)
 
+    def take_logprobs(self) -> Optional[tuple[TokenLogprob, ...]]:
+        """The logprobs of the returned tokens not yet sent in a delta (None when not asked)."""
+        if self.logprobs is None:
+            return None
+        end = self.pipeline.returned_tokens
+        new = tuple(self.logprobs[self.reported:end])
+        self.reported = max(self.reported, end)
+        return new
+
     def completion(self) -> Completion:
         term = self.lifecycle.terminal_event
         data = term.data if term is not None else {}
@@ -164,7 +189,9 @@ class RequestHandle:
             usage=self.usage(), events=tuple(self.lifecycle.events),
             record=self._engine._record(self, finish, error),
             prompt_index=self.prompt_index, index=self.index, state=self.lifecycle.state,
-            timings=self.lifecycle.timings(self.pipeline).as_dict())
+            timings=self.lifecycle.timings(self.pipeline).as_dict(),
+            logprobs=(None if self.logprobs is None
+                      else tuple(self.logprobs[:self.pipeline.returned_tokens])))
 
     def __repr__(self) -> str:
         return f"RequestHandle({self.request_id!r}, {self.lifecycle.state.value})"
@@ -172,10 +199,12 @@ class RequestHandle:
 
 @dataclasses.dataclass
 class _Dispatched:
-    """A step in flight: its output and which request owned each slot when it was dispatched."""
+    """A step in flight: its output, which request owned each slot when it was dispatched, and
+    its static top-k (0 or LOGPROBS_K)."""
 
     out: Any
     owners: list
+    top_k: int = 0
 
 
 class LLM:
@@ -201,6 +230,7 @@ class LLM:
             if not eos_token_ids and eos_token_id(tokenizer) is not None:
                 eos_token_ids = (eos_token_id(tokenizer),)
         self.eos_token_ids = tuple(eos_token_ids)
+        self.logprobs_k = min(LOGPROBS_K, model.config.vocab_size)
         self.model_source = model_source  # where the weights came from ("demo", a directory)
         # a jax.sharding.Mesh: the step state is placed by slots.state_sharding (KV cache per
         # model_api.CACHE_RULES); shard the params with models.shard_params(params, mesh)
@@ -317,7 +347,8 @@ class LLM:
     def warmup(self, max_prompt_len: int = 64) -> int:
         """Compile every shape the engine can meet for prompts up to `max_prompt_len`: prefill
         for each admission batch (powers of two up to max_slots) and prompt bucket, the slot
-        scatter, and the decode step for each attention bucket. Returns the compilations."""
+        scatter, and the decode step for each attention bucket, with and without logprobs.
+        Returns the compilations."""
         before = decode.compilation_count()
         state = slots.empty_state(self.model, self.params, self.max_slots, self.max_len,
                                   self.eos_token_ids, mesh=self.mesh)
@@ -338,7 +369,8 @@ class LLM:
         state = slots.set_flags(state, flags, flags)
         kv = min(KV_BUCKET_MIN, self.max_len)
         while True:
-            state, _ = decode.decode_step_jit(self.model, self.params, state, 0, kv)
+            for k in (0, self.logprobs_k):  # the two step variants _dispatch uses
+                state, _ = decode.decode_step_jit(self.model, self.params, state, k, kv)
             if kv >= self.max_len:
                 break
             kv = min(2 * kv, self.max_len)
@@ -422,6 +454,8 @@ class LLM:
                 "index": handle.index, "prompt_index": handle.prompt_index,
                 "output_kind": handle.lifecycle.stream.output_kind.value,
                 "token_ids": handle.token_ids, "selected": handle.selected,
+                "logprobs": (None if handle.logprobs is None
+                             else [dataclasses.astuple(e) for e in handle.logprobs]),
                 "processed": handle.processed, "next_seq": handle.lifecycle.stream.next_seq,
                 "model_hash": self.params_hash}
         return str(request_state.save(path, arrays, meta))
@@ -458,6 +492,10 @@ class LLM:
         r.selected, r.processed = meta["selected"], meta["processed"]
         for token in r.token_ids:  # rebuild the detokenizer and stop-matcher state
             r.pipeline.push(token)
+        if r.logprobs is not None:  # the returned tokens' logprobs were sent before the save
+            r.logprobs = [TokenLogprob(i, lp, tuple(map(tuple, top)))
+                          for i, lp, top in meta.get("logprobs") or ()]
+            r.reported = r.pipeline.returned_tokens
         r.lifecycle.stream.continue_numbering(meta["next_seq"])
         r.lifecycle.record("request.restored", selected=r.selected)
         r.restored = arrays
@@ -702,11 +740,16 @@ class LLM:
             r.dispatched += 1
             r.in_flight += 1
             r.lifecycle.record("decode.started", step=r.dispatched)
-        self._state, out = decode.decode_step_jit(self.model, self.params, self._state, 0, kv_len)
-        return _Dispatched(out=out, owners=[r if r in live else None for r in owners])
+        k = self.logprobs_k if any(r.logprobs is not None for r in live) else 0
+        self._state, out = decode.decode_step_jit(self.model, self.params, self._state, k, kv_len)
+        return _Dispatched(out=out, owners=[r if r in live else None for r in owners], top_k=k)
 
     def _process(self, step: _Dispatched) -> None:
-        tokens, finish = jax.device_get((step.out.token, step.out.finish))
+        out = step.out
+        tokens, finish = jax.device_get((out.token, out.finish))
+        if step.top_k:
+            logprob, top_ids, top_lps = jax.device_get(
+                (out.logprob, out.top_ids, out.top_logprobs))
         for r in step.owners:
             if r is not None:
                 r.in_flight -= 1
@@ -717,8 +760,14 @@ class LLM:
                 self._end_cancelled(r)
                 continue
             token, code = int(tokens[slot]), int(finish[slot])
-            if token >= 0:
-                self._on_token(r, token, code)
+            if token < 0:
+                continue
+            entry = None
+            if r.logprobs is not None:  # then step.top_k > 0: the row was live at dispatch
+                n = r.sampling.logprobs
+                entry = TokenLogprob(token, float(logprob[slot]), tuple(
+                    zip(top_ids[slot, :n].tolist(), top_lps[slot, :n].tolist())))
+            self._on_token(r, token, code, entry)
         self._sweep_slots()
 
     def _sweep_slots(self) -> None:
@@ -733,7 +782,8 @@ class LLM:
             elif r.deadline is not None and now >= r.deadline:
                 self._end(r, FinishReason.DEADLINE_EXCEEDED)
 
-    def _on_token(self, r: RequestHandle, token: int, code: int) -> None:
+    def _on_token(self, r: RequestHandle, token: int, code: int,
+                  entry: Optional[TokenLogprob]) -> None:
         lc = r.lifecycle
         if code in decode.ERRORS:  # NaN logits, every token masked, a grammar dead end (P2):
             self._fail(r, decode.ERRORS[code], decode.ERRORS[code].value)  # nothing selected
@@ -741,6 +791,8 @@ class LLM:
         r.selected += 1
         t = r.selected
         r.token_ids.append(token)
+        if entry is not None:
+            r.logprobs.append(entry)
         lc.record("token.selected", step=t, token=token)
         if code == EOS or (code == STOP_TOKEN and not r.sampling.include_stop_in_output):
             self._end(r, decode.FINISH_REASONS[code])  # never shown (D6, S8)
@@ -750,7 +802,7 @@ class LLM:
         except (DecodingError, ValueError) as exc:
             self._fail(r, ErrorCode.DECODING_ERROR, str(exc))
             return
-        lc.emit_delta(pushed.text)
+        lc.emit_delta(pushed.text, r.take_logprobs())
         if pushed.hit is not None:
             lc.record("stop.hit", stop=pushed.hit.stop, index=pushed.hit.index)
             self._end(r, FinishReason.STOP_SEQUENCE)
@@ -772,7 +824,7 @@ class LLM:
         except DecodingError as exc:
             self._fail(r, ErrorCode.DECODING_ERROR, str(exc))
             return
-        lc.emit_delta(final.text)
+        lc.emit_delta(final.text, r.take_logprobs())
         if final.hit is not None and reason is not FinishReason.STOP_SEQUENCE:
             lc.record("stop.hit", stop=final.hit.stop, index=final.hit.index)
         lc.complete(final.finish_reason, usage=r.usage())
