@@ -177,6 +177,12 @@ class RequestHandle:
         self.reported = max(self.reported, end)
         return new
 
+    def returned_logprobs(self) -> Optional[tuple[TokenLogprob, ...]]:
+        """The logprobs of the returned tokens so far (None when not asked)."""
+        if self.logprobs is None:
+            return None
+        return tuple(self.logprobs[:self.pipeline.returned_tokens])
+
     def completion(self) -> Completion:
         term = self.lifecycle.terminal_event
         data = term.data if term is not None else {}
@@ -190,8 +196,7 @@ class RequestHandle:
             record=self._engine._record(self, finish, error),
             prompt_index=self.prompt_index, index=self.index, state=self.lifecycle.state,
             timings=self.lifecycle.timings(self.pipeline).as_dict(),
-            logprobs=(None if self.logprobs is None
-                      else tuple(self.logprobs[:self.pipeline.returned_tokens])))
+            logprobs=self.returned_logprobs())
 
     def __repr__(self) -> str:
         return f"RequestHandle({self.request_id!r}, {self.lifecycle.state.value})"

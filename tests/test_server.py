@@ -234,6 +234,42 @@ def test_stream_T1_sse_ids_strictly_increase_and_done_is_last(client, server):
     assert engine_events[-1].kind == "completed"
 
 
+def test_logprobs_completions_and_chat_formats(client):
+    """OpenAI's two logprobs objects, exact on the scripted model (peak 40: the chosen token has
+    logprob ~0, every other -40, ties ranked by id)."""
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 5,
+                                             "temperature": 0, "logprobs": 2})
+    lp = r.json()["choices"][0]["logprobs"]
+    assert lp["tokens"] == list("ello ") and lp["text_offset"] == [0, 1, 2, 3, 4]
+    assert all(-1e-3 < x <= 0 for x in lp["token_logprobs"])
+    for token, top in zip(lp["tokens"], lp["top_logprobs"]):
+        assert len(top) == 2 and top[token] == max(top.values())
+        assert sorted(top.values()) == [pytest.approx(-40.0, abs=1e-3), top[token]]
+
+    r = client.post("/v1/chat/completions", json={"model": MODEL, "messages": MSG,
+                                                  "max_tokens": 4, "logprobs": True})
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    want = expected(len(CHAT_HI), 4)
+    assert [c["token"] for c in content] == list(want)
+    assert [c["bytes"] for c in content] == [list(ch.encode()) for ch in want]
+    assert all(c["top_logprobs"] == [] and c["logprob"] <= 0 for c in content)
+
+    r, events = stream_all(client, "/v1/chat/completions", {
+        "model": MODEL, "messages": MSG, "max_tokens": 6, "stream": True, "logprobs": True,
+        "top_logprobs": 3})
+    chunks = chunks_of(events)
+    entries = [e for ch in chunks if ch["choices"] and ch["choices"][0]["logprobs"]
+               for e in ch["choices"][0]["logprobs"]["content"]]
+    assert "".join(e["token"] for e in entries) == expected(len(CHAT_HI), 6)
+    for e in entries:
+        tops = [t["logprob"] for t in e["top_logprobs"]]
+        assert len(tops) == 3 and tops == sorted(tops, reverse=True)
+        assert e["top_logprobs"][0]["token"] == e["token"]
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
+    assert r.json()["choices"][0]["logprobs"] is None
+
+
+
 def test_stream_include_usage_one_final_chunk(client):
     _, events = stream_all(client, "/v1/chat/completions",
                            {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
@@ -366,7 +402,9 @@ BAD = [
     ("/v1/completions", {"prompt": "Hi", "response_format": {
         "type": "json_schema", "json_schema": {"schema": 3}}}, "response_format"),
     ("/v1/completions", {"prompt": "Hi", "response_format": {"type": "nope"}}, "response_format"),
-    ("/v1/completions", {"prompt": "Hi", "logprobs": 2}, "logprobs"),
+    ("/v1/completions", {"prompt": "Hi", "logprobs": 21}, "logprobs"),
+    ("/v1/completions", {"prompt": "Hi", "logprobs": -1}, "logprobs"),
+    ("/v1/completions", {"prompt": "Hi", "logprobs": True}, "logprobs"),
     ("/v1/completions", {"prompt": "Hi", "echo": True}, "echo"),
     ("/v1/completions", {"prompt": "Hi", "stream": "yes"}, "stream"),
     ("/v1/completions", {"prompt": ""}, "prompt"),
@@ -383,8 +421,10 @@ BAD = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a" * 300}]}, "messages"),
     ("/v1/chat/completions", {"messages": MSG, "max_completion_tokens": 0},
      "max_completion_tokens"),
-    ("/v1/chat/completions", {"messages": MSG, "logprobs": True}, "logprobs"),
+    ("/v1/chat/completions", {"messages": MSG, "logprobs": 1}, "logprobs"),
     ("/v1/chat/completions", {"messages": MSG, "top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": MSG, "logprobs": True, "top_logprobs": 21},
+     "top_logprobs"),
     ("/v1/chat/completions", {"messages": MSG, "tools": [{"type": "function"}]}, "tools"),
     ("/v1/chat/completions", {"messages": MSG, "stream_options": {"include_usage": 1}},
      "stream_options.include_usage"),
