@@ -24,7 +24,8 @@ Log-probabilities (`logprobs_format` / `format_logprobs`): ``/v1/completions`` t
 ``logprobs: 0..20`` (OpenAI allows 5) and answers OpenAI's legacy object
 ``{"tokens", "token_logprobs", "top_logprobs": [{text: logprob}], "text_offset"}``, where each
 top dict holds the N most likely tokens plus the chosen one (so N + 1 entries at most, as OpenAI
-says) and ``text_offset`` is each token's character offset in the choice's text.
+says; ids that decode to the same text keep the chosen one's, else the likeliest), most likely
+first, and ``text_offset`` is each token's character offset in the choice's text.
 ``/v1/chat/completions`` takes ``logprobs: true`` and ``top_logprobs: 0..20`` (``top_logprobs``
 > 0 without ``logprobs: true`` is a 400) and answers ``{"content": [{"token", "logprob",
 "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}]}``. A token's text is the
@@ -328,9 +329,10 @@ def format_logprobs(entries: Sequence[TokenLogprob], top_n: int, token_text: Cal
                             for e in entries]}
     tops = []
     for e in entries:
-        top = {token_text(i): _lp(lp) for i, lp in e.top[:top_n]}
-        top.setdefault(token_text(e.token_id), _lp(e.logprob))
-        tops.append(top)
+        top: dict[str, float] = {}
+        for i, lp in ((e.token_id, e.logprob), *e.top[:top_n]):
+            top.setdefault(token_text(i), _lp(lp))  # ids with the same text: the first wins
+        tops.append(dict(sorted(top.items(), key=lambda kv: -kv[1])))
     return {"tokens": [token_text(e.token_id) for e in entries],
             "token_logprobs": [_lp(e.logprob) for e in entries],
             "top_logprobs": tops, "text_offset": list(offsets)}
