@@ -135,3 +135,26 @@ def test_logprobs_final_only_and_cumulative_kinds(tok):
     assert sum(len(e.data["logprobs"]) for e in events if e.kind == "delta") == 3
     [last] = [e for e in fin if e.kind == "delta"]
     assert last.data["text"] == "aaa" and len(last.data["logprobs"]) == 3
+
+
+def test_logprobs_survive_save_and_restore(tok, tmp_path):
+    """A restored request keeps the logprobs selected before the save, aligned with its ids."""
+    import time
+
+    from tests.scripted import HOOKS, HookedModel
+
+    HOOKS["logprobs-slow"] = lambda positions, lengths: time.sleep(0.01)
+    script = [0] + [byte_id(tok, c) for c in "the quick brown fox jumps over the lazy dog"]
+    model = HookedModel.make(script, "logprobs-slow", vocab_size=V, max_len=64,
+                             eos_token_ids=(EOS,))
+    sp = jd.SamplingParams(temperature=0.0, max_tokens=30, logprobs=2)
+    with jd.LLM(model, {}, tok, max_slots=2, max_len=64) as llm:
+        reference = llm.submit([7, 8], sp).result(timeout=60)
+        h = llm.submit([7, 8], sp)
+        while h.selected < 5:
+            time.sleep(0.001)
+        llm.save_request(h, str(tmp_path / "req"))
+        h.cancel()
+        restored = llm.restore_request(str(tmp_path / "req")).result(timeout=60)
+    assert restored.token_ids == reference.token_ids
+    assert restored.logprobs == reference.logprobs and len(restored.logprobs) == 30
