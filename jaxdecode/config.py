@@ -14,6 +14,7 @@ from typing import Any, Optional, Union
 from jaxdecode.constraints.formats import validate_response_format
 
 OUTPUT_KINDS = ("delta", "cumulative", "final_only")
+MAX_LOGPROBS = 20  # the most top log-probabilities a request may ask for per token
 UTF8_ERRORS = ("strict", "replace")
 
 StopTokenIds = tuple[Union[int, tuple[int, ...]], ...]
@@ -82,8 +83,8 @@ class SamplingParams:
             _fail("min_tokens", f"must be >= 0, got {self.min_tokens}")
         if self.min_tokens > self.max_tokens:
             _fail("min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
-        if not 0 <= self.logprobs <= 20:
-            _fail("logprobs", f"must be in [0, 20], got {self.logprobs}")
+        if not 0 <= self.logprobs <= MAX_LOGPROBS:
+            _fail("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if self.n < 1:
             _fail("n", f"must be >= 1, got {self.n}")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):

@@ -21,12 +21,13 @@ returned. With several endings on one token the one that ends the text wins (S9)
 
 Log-probabilities (`SamplingParams.logprobs` = N > 0): every selected token's raw log-probability
 and top N are kept with the request (`TokenLogprob`). The step computes a static top
-`LOGPROBS_K` (the largest N allowed) whenever some live row asked, else none, so new values of N
-never recompile; only then are they fetched. Reported are exactly the returned tokens
-(`usage.returned_tokens`; those hidden by a stop string, a stop id or EOS are not), in order:
-each delta event carries, in `data["logprobs"]`, the entries of the tokens that became returned
-since the previous delta (a token is returned once its text begins inside the returned text),
-the final delta also those that showed no text; `Completion.logprobs` holds them all.
+`MAX_LOGPROBS` (the largest N allowed; `LLM.logprobs_k`, capped by the vocabulary) whenever some
+live row asked, else none, so new values of N never recompile; only then are they fetched.
+Reported are exactly the returned tokens (`usage.returned_tokens`; those hidden by a stop string,
+a stop id or EOS are not), in order: each delta event carries, in `data["logprobs"]`, the
+entries of the tokens that became returned since the previous delta (a token is returned once
+its text begins inside the returned text), the final delta also those that showed no text;
+`Completion.logprobs` holds them all.
 
 Streams without a reader: `generate()` uses the `final_only` kind, so nothing accumulates;
 `submit()` keeps up to `max_buffered` unsent events under the chosen back-pressure policy.
@@ -51,7 +52,7 @@ import jax.numpy as jnp
 from jaxdecode import constraints, decode, slots
 from jaxdecode import replay as replay_lib
 from jaxdecode import request_state
-from jaxdecode.config import SamplingParams
+from jaxdecode.config import MAX_LOGPROBS, SamplingParams
 from jaxdecode.host import Lifecycle, OrderedStream, TextPipeline
 from jaxdecode.model_api import DecoderModel
 from jaxdecode.state import EOS, RUNNING, STOP_TOKEN, RowParams, StepState, seed_key_data
@@ -62,10 +63,6 @@ from jaxdecode.types import (Completion, DecodingError, ErrorCode, FinishReason,
 logger = logging.getLogger(__name__)
 
 Prompt = Union[str, Sequence[int]]
-
-# The static top-k of a decode step when some live row asked for logprobs (SamplingParams.logprobs
-# is at most 20; the vocabulary may be smaller). Steps use k = 0 or this, nothing else.
-LOGPROBS_K = 20
 
 # Attention reads only the first kv_len cache positions, a power of two >= this covering every
 # live row: few compiled variants, and short requests never pay for a long max_len.
@@ -205,7 +202,7 @@ class RequestHandle:
 @dataclasses.dataclass
 class _Dispatched:
     """A step in flight: its output, which request owned each slot when it was dispatched, and
-    its static top-k (0 or LOGPROBS_K)."""
+    its static top-k (0 or LLM.logprobs_k)."""
 
     out: Any
     owners: list
@@ -235,7 +232,7 @@ class LLM:
             if not eos_token_ids and eos_token_id(tokenizer) is not None:
                 eos_token_ids = (eos_token_id(tokenizer),)
         self.eos_token_ids = tuple(eos_token_ids)
-        self.logprobs_k = min(LOGPROBS_K, model.config.vocab_size)
+        self.logprobs_k = min(MAX_LOGPROBS, model.config.vocab_size)  # the step's top-k
         self.model_source = model_source  # where the weights came from ("demo", a directory)
         # a jax.sharding.Mesh: the step state is placed by slots.state_sharding (KV cache per
         # model_api.CACHE_RULES); shard the params with models.shard_params(params, mesh)

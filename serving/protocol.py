@@ -20,7 +20,7 @@ SPEC §9 reason):
     content_interrupted                         -> "content_filter"
     cancelled, transport_error                  -> "abort"   (vLLM's value; not in OpenAI's enum)
 
-Log-probabilities (`logprobs_format` / `format_logprobs`): ``/v1/completions`` takes
+Log-probabilities (`top_logprobs_count`, `format_logprobs`): ``/v1/completions`` takes
 ``logprobs: 0..20`` (OpenAI allows 5) and answers OpenAI's legacy object
 ``{"tokens", "token_logprobs", "top_logprobs": [{text: logprob}], "text_offset"}``, where each
 top dict holds the N most likely tokens plus the chosen one (so N + 1 entries at most, as OpenAI
@@ -43,7 +43,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from jaxdecode.config import SamplingParams
+from jaxdecode.config import MAX_LOGPROBS, SamplingParams
 from jaxdecode.types import FinishReason, TokenLogprob
 
 OPENAI_FINISH = {
@@ -60,7 +60,6 @@ OPENAI_FINISH = {
 }
 
 MAX_N = 128
-MAX_LOGPROBS = 20  # SamplingParams.logprobs allows at most this many top entries
 MIN_LOGPROB = -9999.0
 
 
@@ -222,7 +221,8 @@ def _unsupported(param: str, what: str) -> ApiError:
 
 
 def check_unsupported(req: _Common, *, chat: bool, max_n: int) -> None:
-    """Fields jaxdecode accepts but cannot honour yet get a 400 instead of a silent no-op."""
+    """Fields jaxdecode accepts but cannot honour yet get a 400 instead of a silent no-op; so
+    do `n` and the logprobs fields out of range, and chat `top_logprobs` without `logprobs`."""
     n = 1 if req.n is None else req.n
     if not 1 <= n <= max_n:
         raise bad_request(f"n: must be in [1, {max_n}], got {n}", "n")
