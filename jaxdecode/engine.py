@@ -748,10 +748,10 @@ class LLM:
 
     def _process(self, step: _Dispatched) -> None:
         out = step.out
-        tokens, finish = jax.device_get((out.token, out.finish))
-        if step.top_k:
-            logprob, top_ids, top_lps = jax.device_get(
-                (out.logprob, out.top_ids, out.top_logprobs))
+        lp_arrays = (out.logprob, out.top_ids, out.top_logprobs) if step.top_k else ()
+        fetched = jax.device_get((out.token, out.finish) + lp_arrays)  # one transfer
+        tokens, finish = fetched[:2]
+        logprob, top_ids, top_lps = fetched[2:] if step.top_k else (None, None, None)
         for r in step.owners:
             if r is not None:
                 r.in_flight -= 1

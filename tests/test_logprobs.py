@@ -158,3 +158,13 @@ def test_logprobs_survive_save_and_restore(tok, tmp_path):
         restored = llm.restore_request(str(tmp_path / "req")).result(timeout=60)
     assert restored.token_ids == reference.token_ids
     assert restored.logprobs == reference.logprobs and len(restored.logprobs) == 30
+
+
+def test_logprobs_held_text_released_later_brings_no_new_entries(tok):
+    """101 "AB" with stop "BX": "A" goes out with 101's entry, "B" is held; max_tokens ends the
+    request and the flushed "B" comes in a delta with no new entries (101 was already sent)."""
+    with scripted([0, 101, 5, 5], tok) as llm:
+        sp = jd.SamplingParams(temperature=0.0, max_tokens=1, stop=["BX"], logprobs=1)
+        events = [e for e in llm.stream([7, 8], sp) if e.kind == "delta"]
+    assert [(e.data["text"], [x.token_id for x in e.data["logprobs"]]) for e in events] == [
+        ("A", [101]), ("B", [])]

@@ -148,11 +148,24 @@ def test_chat_logprobs_plain_and_streamed(client):
     assert err.value.param == "top_logprobs"
 
 
-def test_n2_gives_two_choices(client):
+def test_n2_gives_two_choices_each_with_its_logprobs(client):
     r = client.completions.create(model="demo", prompt=PROMPT, max_tokens=4, n=2, seed=1,
-                                  temperature=0.8)
+                                  temperature=0.8, logprobs=1)
     assert sorted(c.index for c in r.choices) == [0, 1]
     assert all(c.finish_reason in ("length", "stop") for c in r.choices)
+    assert all(0 < len(c.logprobs.tokens) <= 4 for c in r.choices)
+
+    stream = client.chat.completions.create(model="demo", messages=CHAT, max_tokens=4, n=2,
+                                            seed=1, stream=True, logprobs=True)
+    entries, finishes = {0: [], 1: []}, {}
+    for chunk in stream:
+        for c in chunk.choices:
+            if c.logprobs is not None:
+                entries[c.index] += c.logprobs.content
+            if c.finish_reason:
+                finishes[c.index] = c.finish_reason
+    assert sorted(finishes) == [0, 1]
+    assert all(0 < len(e) <= 4 for e in entries.values())
 
 
 def test_32_concurrent_streams_all_finish(url):
