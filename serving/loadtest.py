@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import itertools
 import json
 import os
 import signal
@@ -106,8 +107,7 @@ class RequestResult:
 
     @property
     def gaps_s(self) -> list[float]:
-        t = self.chunk_times
-        return [b - a for a, b in zip(t, t[1:])]
+        return [b - a for a, b in itertools.pairwise(self.chunk_times)]
 
     def failure(self) -> str:
         """A short reason for a failed request (for the error counts)."""
@@ -138,7 +138,7 @@ class SSEParser:
             return None
         field, _, value = line.partition(":")
         if field == "data":
-            self._data.append(value[1:] if value.startswith(" ") else value)
+            self._data.append(value.removeprefix(" "))
         return None
 
 
@@ -466,10 +466,12 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--warmup-requests", type=int, default=4, help="sent first, not counted")
     p.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request")
     p.add_argument("--api-key", default=None, help="Bearer key for the server")
-    p.add_argument("--max-slots", type=int, default=8, help="the started server's --max-slots")
-    p.add_argument("--max-len", type=int, default=512, help="the started server's --max-len")
-    p.add_argument("--startup-timeout", type=float, default=600.0,
-                   help="seconds to wait for the started server's /health")
+    p.add_argument("--max-slots", type=int, default=None,
+                   help="the started server's --max-slots (default 8)")
+    p.add_argument("--max-len", type=int, default=None,
+                   help="the started server's --max-len (default 512)")
+    p.add_argument("--startup-timeout", type=float, default=None,
+                   help="seconds to wait for the started server's /health (default 600)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -482,8 +484,11 @@ def main(args: argparse.Namespace) -> int:
                          "extra)") from None
     if args.server_pid is not None and args.url is None:
         raise SystemExit("--server-pid: only with --url (a started server's pid is known)")
-    if args.url is not None and args.model not in (None, "demo"):
-        raise SystemExit("--model: with --url the server is already running; drop --model")
+    if args.url is not None:
+        for flag in ("model", "max_slots", "max_len", "startup_timeout"):
+            if getattr(args, flag) not in (None, "demo"):
+                raise SystemExit(f"--{flag.replace('_', '-')}: configures the started server; "
+                                 "with --url the server is already running")
     try:
         cfg = LoadConfig(requests=args.requests, concurrency=tuple(args.concurrency or (8, 32, 64)),
                          max_tokens=args.max_tokens, temperature=args.temperature,
@@ -497,9 +502,9 @@ def main(args: argparse.Namespace) -> int:
         if args.url is not None:
             report = run(args.url.rstrip("/"), cfg, args.server_pid, progress)
         else:
-            with ServerProcess(args.model or "demo", args.max_slots, args.max_len,
+            with ServerProcess(args.model or "demo", args.max_slots or 8, args.max_len or 512,
                                args.api_key) as server:
-                server.start(args.startup_timeout)
+                server.start(args.startup_timeout or 600.0)
                 report = run(server.url, cfg, server.pid, progress)
                 report["server"] = {"argv": server.argv[1:]}
     except (RuntimeError, httpx.HTTPError) as e:
