@@ -74,7 +74,6 @@ class LoadConfig:
     warmup_requests: int = 4
     timeout_s: float = 300.0
     api_key: Optional[str] = None
-    model_name: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.requests < 1:
@@ -268,9 +267,10 @@ class ServerProcess:
             except httpx.HTTPError:
                 pass
             time.sleep(0.25)
+        tail = self.log_tail()
         self.stop()
         raise RuntimeError(f"--startup-timeout: the server was not healthy after {timeout_s:g} s:"
-                           f"\n{self.log_tail()}")
+                           f"\n{tail}")
 
     def stop(self, timeout_s: float = 20.0) -> Optional[int]:
         """SIGINT (uvicorn's graceful shutdown), then SIGKILL; returns the exit status."""
@@ -315,8 +315,6 @@ def request_body(i: int, cfg: LoadConfig) -> dict:
                             "seed": cfg.seed + i, "stream": True,
                             "stream_options": {"include_usage": True},
                             "ignore_eos": cfg.ignore_eos}
-    if cfg.model_name:
-        body["model"] = cfg.model_name
     if cfg.chat:
         body["messages"] = [{"role": "user", "content": prompt}]
     else:
@@ -378,8 +376,8 @@ def run(url: str, cfg: LoadConfig, server_pid: Optional[int] = None,
                                         min(cfg.warmup_requests, max(cfg.concurrency))))
         failed = [r.failure() for r in warm if not r.ok]
         if failed:
-            raise RuntimeError(f"warm-up requests failed ({failed[0]}); is {url} a jaxdecode "
-                               "server (--url), and --api-key right?")
+            raise RuntimeError(f"{len(failed)} warm-up requests failed (first: {failed[0]}); "
+                               "is it a jaxdecode server, and is --api-key right?")
     before = scrape_metrics(url, cfg.api_key)
     report: dict[str, Any] = {
         "url": url, "config": {**dataclasses.asdict(cfg), "api_key": cfg.api_key is not None},
@@ -398,8 +396,9 @@ def run(url: str, cfg: LoadConfig, server_pid: Optional[int] = None,
         time.sleep(0.05)
         after = scrape_metrics(url, cfg.api_key)
     report["requests_running_at_end"] = after.get("jaxdecode_requests_running")
-    report["compilations_during_run"] = (after.get("jaxdecode_compilations_total", 0.0)
-                                         - before.get("jaxdecode_compilations_total", 0.0))
+    compiles = "jaxdecode_compilations_total"
+    report["compilations_during_run"] = (after[compiles] - before[compiles]
+                                         if compiles in after and compiles in before else None)
     return report
 
 
@@ -418,15 +417,17 @@ def _cells(row: dict) -> list[str]:
             _ms(row["ttft_s"]["p50"]), _ms(row["ttft_s"]["p99"]),
             _ms(row["inter_chunk_s"]["p50"]), _ms(row["inter_chunk_s"]["p99"]),
             "-" if row["tokens_per_chunk"] is None else f"{row['tokens_per_chunk']:.2f}",
-            "-" if row["output_tokens_per_s"] is None else f"{row['output_tokens_per_s']:.0f}",
-            "-" if row.get("rss_mb_after") is None else f"{row['rss_mb_after']:.0f}"]
+            _number(row["output_tokens_per_s"]), _number(row.get("rss_mb_after"))]
+
+
+def _number(v: Optional[float], unit: str = "") -> str:
+    return "-" if v is None else f"{v:.0f}{unit}"
 
 
 def _footer(report: dict) -> str:
-    rss = report.get("rss_mb_before")
-    return (f"server RSS after warm-up: {'-' if rss is None else f'{rss:.0f} MiB'}; "
-            f"requests running at the end: {report['requests_running_at_end']:g}; "
-            f"compilations during the run: {report['compilations_during_run']:g}. "
+    return (f"server RSS after warm-up: {_number(report.get('rss_mb_before'), ' MiB')}; "
+            f"requests running at the end: {_number(report['requests_running_at_end'])}; "
+            f"compilations during the run: {_number(report['compilations_during_run'])}. "
             "ITL = gap between successive chunks with text (tok/chunk tokens each).")
 
 
@@ -508,7 +509,7 @@ def main(args: argparse.Namespace) -> int:
                 report = run(server.url, cfg, server.pid, progress)
                 report["server"] = {"argv": server.argv[1:]}
     except (RuntimeError, httpx.HTTPError) as e:
-        raise SystemExit(f"{args.url or 'the started server'}: {e}") from None
+        raise SystemExit(f"--url {args.url}: {e}" if args.url else str(e)) from None
     print(format_table(report))
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
