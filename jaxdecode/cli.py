@@ -8,6 +8,9 @@ together. Only this module of `jaxdecode` imports `models` / `serving`, inside t
         [--api-key KEY] [--on-disconnect cancel|continue] [--max-queue N]
         (the OpenAI-compatible HTTP server of `serving/`)
     jaxdecode bench [--model DIR|demo|CONFIG] [--batch N]... [--compare-hf] [--json FILE]
+    jaxdecode bench --serve [--model DIR|demo | --url URL] [--requests N] [--concurrency C]...
+        [--max-tokens N] [--max-slots N] [--json FILE]
+        (the HTTP load test of `serving.loadtest`: streaming requests against `jaxdecode serve`)
 """
 
 from __future__ import annotations
@@ -214,7 +217,30 @@ def cmd_serve(args) -> int:
     return server.main(args)
 
 
+def _check_bench_mode(args) -> None:
+    """`bench` and `bench --serve` take different flags: one of the other mode's is an error
+    naming it, never silently ignored."""
+    from serving.loadtest import add_arguments
+
+    probe = argparse.ArgumentParser(add_help=False)
+    add_arguments(probe)
+    load_flags = set(vars(probe.parse_args([])))
+    defaults = vars(build_parser().parse_args(["bench"]))
+    bench_flags = set(defaults) - load_flags - {"command", "func", "model", "json", "serve"}
+    bad = sorted(n for n in (bench_flags if args.serve else load_flags)
+                 if getattr(args, n) != defaults[n])
+    if bad:
+        flags = ", ".join("--" + n.replace("_", "-") for n in bad)
+        raise SystemExit(f"{flags}: not used by the HTTP load test (bench --serve)" if args.serve
+                         else f"{flags}: load-test flags; add --serve")
+
+
 def cmd_bench(args) -> int:
+    _check_bench_mode(args)
+    if args.serve:
+        from serving import loadtest
+
+        return loadtest.main(args)
     import sysconfig
     import tempfile
 
@@ -385,6 +411,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="every section (HF side by side, time to first token, host cost, "
                         "engine): report.json, report.md and PNG plots in DIR")
     b.add_argument("--quick", action="store_true", help="a smoke run in well under 2 minutes")
+    b.add_argument("--serve", action="store_true",
+                   help="instead: the HTTP load test (serving/loadtest.py) -- streaming requests "
+                        "against `jaxdecode serve` at several concurrency levels")
+    _add_loadtest_arguments(b.add_argument_group("load test (with --serve)"))
     b.set_defaults(func=cmd_bench)
     return parser
 
@@ -392,6 +422,13 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_serve_arguments(p) -> None:
     # the flags live next to the server; importing serving.server is cheap (no FastAPI import)
     from serving.server import add_arguments
+
+    add_arguments(p)
+
+
+def _add_loadtest_arguments(p) -> None:
+    # serving.loadtest imports only the standard library at module level
+    from serving.loadtest import add_arguments
 
     add_arguments(p)
 
