@@ -235,6 +235,21 @@ class LLM:
         self._enqueue([handle], block)
         return handle
 
+    def submit_beams(self, prompt: Prompt, params: SamplingParams, *,
+                     request_id: Optional[str] = None, block: bool = False) -> list:
+        """Queue a beam-search request (num_beams > 1) as its n best beams: one handle per
+        rank sharing one search row (jaxdecode/beam_lane.py), ids `<request_id>-<rank>` when
+        n > 1. Raises like `submit`."""
+        if not isinstance(params, SamplingParams) or params.num_beams == 1:
+            raise ValueError("num_beams: submit_beams() takes SamplingParams with num_beams > 1")
+        rid = request_id or f"req-{next(self._ids)}"
+        handles = [self._make_handle(prompt, params, rid if params.n == 1 else f"{rid}-{j}",
+                                     index=j, output_kind=params.output_kind)
+                   for j in range(params.n)]
+        beam_lane.link_rows(handles)
+        self._enqueue(handles, block)
+        return handles
+
     def _make_handle(self, prompt: Prompt, params: Optional[SamplingParams],
                      request_id: Optional[str] = None, prompt_index: int = 0, index: int = 0,
                      output_kind: Optional[str] = None) -> RequestHandle:

@@ -63,6 +63,9 @@ def test_beam_engine_S10_matches_beam_search_n_beams_and_two_requests(model, tok
         out = llm.generate(prompts, [a, b, a])
         alone = llm.submit([9], beams(num_beams=4, max_tokens=7, early_stopping=True))
         best = alone.result(timeout=60)
+        handles = llm.submit_beams([9], b, request_id="b")
+        ranked = [h.result(timeout=60) for h in handles]
+        assert [e.data["rows"] for e in ranked[0].events if e.kind == "beam.started"] == [1]
     assert [(c.prompt_index, c.index) for c in out] == [
         (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0), (2, 1), (2, 2)]
     ref_a = jd.beam_search(model, {}, [prompts[0], prompts[2]], num_beams=3, max_new_tokens=6,
@@ -73,6 +76,8 @@ def test_beam_engine_S10_matches_beam_search_n_beams_and_two_requests(model, tok
     check_same(out[3:5], ref_b, 0)
     check_same(out[5:8], ref_a, 1)
     assert as_beams([best]) == as_beams(out[3:4])  # submit(): the best beam
+    assert as_beams(ranked) == as_beams(out[3:5])  # submit_beams(): the n best, one row
+    assert [h.request_id for h in handles] == ["b-0", "b-1"]
     assert any(len(c.token_ids) < 6 for c in out), "no beam ended on EOS: the test lost its bite"
     # prompts 0 and 2 share every call setting: one device call, one row each
     assert [e.data["rows"] for e in out[0].events if e.kind == "beam.started"] == [2]
@@ -124,6 +129,8 @@ def test_beam_engine_bad_fields_name_the_field(model, tok):
     with jd.LLM(model, {}, tok, max_slots=2, max_len=64) as llm:
         with pytest.raises(ValueError, match="^n:"):
             llm.submit([7], beams(num_beams=2, n=2))
+        with pytest.raises(ValueError, match="^num_beams:"):
+            llm.submit_beams([7], beams(n=2))
 
 
 def test_beam_engine_C3_C4_cancel_and_deadline_before_the_call(model, tok):
