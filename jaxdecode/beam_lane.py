@@ -93,7 +93,14 @@ def run(engine: Any, handles: list) -> None:
         calls.setdefault(key, (settings, []))[1].append(row)
     for settings, call_rows in calls.values():
         for i in range(0, len(call_rows), engine.max_slots):
-            _run_call(engine, settings, call_rows[i:i + engine.max_slots])
+            chunk = call_rows[i:i + engine.max_slots]
+            try:
+                _run_call(engine, settings, chunk)
+            except Exception as exc:  # a device or model failure: fail this call's requests
+                logger.exception("beam search failed")
+                engine.error = f"{type(exc).__name__}: {exc}"
+                for h in (h for row in chunk for h in row if not h.lifecycle.is_terminal):
+                    engine._fail(h, ErrorCode.MODEL_ERROR, engine.error)
 
 
 def _run_call(engine: Any, settings: dict, rows: list) -> None:
@@ -113,16 +120,8 @@ def _run_call(engine: Any, settings: dict, rows: list) -> None:
             h.lifecycle.transition(RequestState.PREFILLING)
             h.lifecycle.transition(RequestState.DECODING)  # prefill is inside the one call
             h.lifecycle.record("beam.started", num_beams=h.sampling.num_beams, rows=len(live))
-    try:
-        out = beam_search(engine.model, engine.params, [row[0].prompt_ids for row in live],
-                          num_beams=widths, tokenizer=engine.tokenizer, **settings)
-    except Exception as exc:  # a device or model failure: fail this call's requests only
-        logger.exception("beam search failed")
-        engine.error = f"{type(exc).__name__}: {exc}"
-        for row in live:
-            for h in row:
-                engine._fail(h, ErrorCode.MODEL_ERROR, engine.error)
-        return
+    out = beam_search(engine.model, engine.params, [row[0].prompt_ids for row in live],
+                      num_beams=widths, tokenizer=engine.tokenizer, **settings)
     for r, row in enumerate(live):
         for h in row:
             if h.lifecycle.observe_cancel():  # L4: the finished call's result is discarded

@@ -174,6 +174,16 @@ def test_beam_engine_S3_stop_string_cuts_a_beam(tok):
                                    returned_tokens=1)
     assert (second.text, second.finish_reason, second.token_ids) == (
         "CD", jd.FinishReason.EOS, (102, EOS))
+    # 102 as a stop id ends beams like EOS (S8): [101, 102] (ln .54 / 2), then [102] (ln .4)
+    for shown in (False, True):
+        sp = jd.SamplingParams(num_beams=2, n=2, max_tokens=3, stop_token_ids=[102],
+                               include_stop_in_output=shown)
+        with jd.LLM(model, {}, tok, max_slots=2, max_len=64) as llm:
+            out = llm.generate([[7]], sp)
+        assert [(c.text, c.token_ids) for c in out] == (
+            [("ABCD", (101, 102)), ("CD", (102,))] if shown else [("AB", (101, 102)), ("", (102,))])
+        assert {c.finish_reason for c in out} == {jd.FinishReason.STOP_SEQUENCE}
+        assert out[0].score == pytest.approx(np.log(0.54) / 2, abs=1e-5)
 
 
 def test_beam_engine_X_replay_reruns_a_beam_record(model, tok):
@@ -185,3 +195,18 @@ def test_beam_engine_X_replay_reruns_a_beam_record(model, tok):
         report = jd.replay(record, llm)
     assert report.identical, report.describe()
     assert report.completion.token_ids == out[1].token_ids
+
+
+def test_beam_engine_failed_call_fails_its_requests_only(model, tok, monkeypatch):
+    from jaxdecode import beam_lane
+
+    def broken(*args, **kw):
+        raise RuntimeError("injected device failure")
+
+    monkeypatch.setattr(beam_lane, "beam_search", broken)
+    sp = jd.SamplingParams(temperature=0.0, max_tokens=5, utf8_errors="replace")
+    with jd.LLM(model, {}, tok, max_slots=2, max_len=64) as llm:
+        slot, beam = llm.generate([[5], [7, 8]], [sp, beams(num_beams=2, max_tokens=5)])
+        assert "injected device failure" in llm.error
+    assert beam.state == jd.RequestState.FAILED and beam.error == jd.ErrorCode.MODEL_ERROR
+    assert slot.state == jd.RequestState.FINISHED and len(slot.token_ids) > 0
