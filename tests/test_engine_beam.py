@@ -210,3 +210,31 @@ def test_beam_engine_failed_call_fails_its_requests_only(model, tok, monkeypatch
         assert "injected device failure" in llm.error
     assert beam.state == jd.RequestState.FAILED and beam.error == jd.ErrorCode.MODEL_ERROR
     assert slot.state == jd.RequestState.FINISHED and len(slot.token_ids) > 0
+
+
+def test_beam_engine_structured_output_matches_beam_search():
+    pytest.importorskip("outlines_core")
+    import re
+
+    import jax
+    from models import Llama, LlamaConfig
+    from tests.host_fixtures import byte_level_tokenizer
+
+    tok = byte_level_tokenizer()
+    cfg = LlamaConfig(vocab_size=tok.get_vocab_size(), num_layers=2, num_heads=4, num_kv_heads=2,
+                      head_dim=8, max_len=128, hidden_size=32, intermediate_size=64,
+                      eos_token_ids=(0,))
+    model = Llama(cfg)
+    params = model.init_params(jax.random.key(1), scale=0.3)
+    regex = {"type": "regex", "pattern": "(a|b|x)+[12]"}
+    with jd.LLM(model, params, tok, max_slots=2, max_len=128) as llm:
+        out = llm.generate([[5, 6, 7]], jd.SamplingParams(num_beams=3, n=3, max_tokens=10,
+                                                          response_format=regex))
+    ref = jd.beam_search(model, params, [[5, 6, 7]], num_beams=3, max_new_tokens=10,
+                         num_return_sequences=3, response_format=regex, tokenizer=tok)
+    assert as_beams(out) == [(t, pytest.approx(s, abs=1e-6)) for t, s in ref.beams[0]]
+    for c in out:
+        assert re.fullmatch("(a|b|x)+[12]?", c.text), c.text
+        if c.finish_reason == jd.FinishReason.GRAMMAR_COMPLETE:
+            assert re.fullmatch(regex["pattern"], c.text), c.text
+    assert jd.FinishReason.GRAMMAR_COMPLETE in {c.finish_reason for c in out}
