@@ -80,6 +80,8 @@ class Completion:
     `events` is the request's full trace (lifecycle, token.selected, decode.completed, deltas,
     the terminal event, resources.released); `prompt_index` / `index` place it among the
     prompts and the n samples of `LLM.generate`. `error` is the ErrorCode of a failed request.
+    A beam-search request (`num_beams > 1`) has `index` = the beam's rank and `score` = its HF
+    score, sum logprob / (generated length incl. EOS) ** length_penalty; None otherwise.
     """
 
     request_id: str
@@ -94,3 +96,4 @@ class Completion:
     index: int = 0
     state: Optional[RequestState] = None
     timings: Optional[dict] = None
+    score: Optional[float] = None
