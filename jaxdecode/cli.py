@@ -117,33 +117,32 @@ def cmd_generate(args) -> int:
 
 
 def _generate_beams(args, model, params, tokenizer, prompt, prompt_ids, sp) -> int:
-    """Beam search on device (`jd.beam_search`): the best hypothesis, or every returned beam
-    with its score under --json. Not streamed (beams are only final at the end)."""
-    from jaxdecode.beam import beam_search
-    from jaxdecode.host import TextPipeline
+    """Beam search through the engine's beam lane (`SamplingParams(num_beams=...)`): the best
+    hypothesis, or every beam with its score under --json. Not streamed (beams are final only
+    at the end); --temperature does not apply (beams rank raw log-probabilities)."""
+    from jaxdecode.decode import bucket
+    from jaxdecode.engine import LLM
 
-    if args.record:
-        raise SystemExit("--record: records cover sampled and greedy generation, not beams")
+    early = {"true": True, "false": False, "never": "never"}[args.early_stopping]
     try:
-        out = beam_search(model, params, [prompt_ids], num_beams=args.num_beams,
-                          max_new_tokens=sp.max_tokens, num_return_sequences=args.num_beams)
+        sp = dataclasses.replace(sp, temperature=0.0, num_beams=args.num_beams, n=args.num_beams,
+                                 length_penalty=args.length_penalty, early_stopping=early)
+        max_len = min(model.config.max_len, bucket(len(prompt_ids) + sp.max_tokens + 1))
+        with LLM(model, params, tokenizer, max_slots=1, max_len=max_len,
+                 model_source=args.model) as llm:
+            done = llm.generate(prompt, sp)
     except ValueError as e:
         raise SystemExit(f"--{str(e).split(':')[0].replace('_', '-')}: {e}")
-    eos = set(model.config.eos_token_ids)
-
-    def text(ids):
-        pipe = TextPipeline(tokenizer, prompt_ids=prompt_ids, stop=sp.stop, errors="replace")
-        shown = "".join(pipe.push(t).text for t in ids if t not in eos and not pipe.done)
-        return shown + pipe.finish("eos").text
-
-    beams = [{"text": text(ids), "token_ids": list(ids), "score": float(score)}
-             for ids, score in out.beams[0]]
+    if args.record:
+        done[0].record.save(args.record)
+    beams = [{"text": c.text, "token_ids": list(c.token_ids), "score": c.score,
+              "finish_reason": c.finish_reason and c.finish_reason.value} for c in done]
     if args.json:
-        print(json.dumps({"beams": beams,
-                          "finish_reason": out.finish_reasons[0].value}, ensure_ascii=False))
+        print(json.dumps({"beams": beams, "finish_reason": beams[0]["finish_reason"]},
+                         ensure_ascii=False))
     else:
         print(prompt + beams[0]["text"])
-    return 0
+    return 0 if all(c.error is None for c in done) else 1
 
 
 def cmd_replay(args) -> int:
@@ -372,7 +371,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", help="a stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--num-beams", type=int, default=1,
-                   help="beam search with this width (jd.beam_search; printed at the end)")
+                   help="beam search with this width, all beams returned (printed at the end)")
+    g.add_argument("--length-penalty", type=float, default=1.0,
+                   help="beam scores: sum logprob / length ** this (with --num-beams)")
+    g.add_argument("--early-stopping", choices=("true", "false", "never"), default="false",
+                   help="when a beam search ends, with HF's meaning (with --num-beams)")
     g.add_argument("--no-stream", action="store_true", help="print the text once at the end")
     g.add_argument("--json", action="store_true", help="print one JSON object with text and usage")
     g.add_argument("--record", help="write the generation record (SPEC §11) to this JSON file")
