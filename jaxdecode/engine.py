@@ -31,6 +31,10 @@ its text begins inside the returned text), the final delta also those that showe
 
 Streams without a reader: `generate()` uses the `final_only` kind, so nothing accumulates;
 `submit()` keeps up to `max_buffered` unsent events under the chosen back-pressure policy.
+
+Beam search (`SamplingParams.num_beams > 1`, SPEC §10) runs in the beam lane
+(jaxdecode/beam_lane.py): at the safe point after the queue sweep the engine thread takes the
+queued beam requests and runs them as `jd.beam_search` calls; slot rows get no step meanwhile.
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ import numpy as np
 
 import jax.numpy as jnp
 
-from jaxdecode import constraints, decode, slots
+from jaxdecode import beam_lane, constraints, decode, slots
 from jaxdecode import replay as replay_lib
 from jaxdecode import request_state
 from jaxdecode.config import MAX_LOGPROBS, SamplingParams
@@ -115,6 +119,8 @@ class RequestHandle:
         self.user_paused = False   # pause(): the row skips steps, its state unchanged (B1)
         self.in_flight = 0         # dispatched steps of this row not yet processed
         self.restored: Optional[dict] = None  # saved arrays, when restored from disk
+        self.beam_row: list = [self]  # handles sharing one beam-search row (beam_lane)
+        self.score: Optional[float] = None  # a beam's score (beam_lane)
         self._settled = threading.Event()
         self._engine = engine
         self._done = threading.Event()
@@ -192,7 +198,7 @@ class RequestHandle:
             usage=self.usage(), events=tuple(self.lifecycle.events),
             record=self._engine._record(self, finish, error),
             prompt_index=self.prompt_index, index=self.index, state=self.lifecycle.state,
-            timings=self.lifecycle.timings(self.pipeline).as_dict(),
+            timings=self.lifecycle.timings(self.pipeline).as_dict(), score=self.score,
             logprobs=self.returned_logprobs())
 
     def __repr__(self) -> str:
@@ -261,6 +267,21 @@ class LLM:
         self._enqueue([handle], block)
         return handle
 
+    def submit_beams(self, prompt: Prompt, params: SamplingParams, *,
+                     request_id: Optional[str] = None, block: bool = False) -> list:
+        """Queue a beam-search request (num_beams > 1) as its n best beams: one handle per
+        rank sharing one search row (jaxdecode/beam_lane.py), ids `<request_id>-<rank>` when
+        n > 1. Raises like `submit`."""
+        if not isinstance(params, SamplingParams) or params.num_beams == 1:
+            raise ValueError("num_beams: submit_beams() takes SamplingParams with num_beams > 1")
+        rid = request_id or f"req-{next(self._ids)}"
+        handles = [self._make_handle(prompt, params, rid if params.n == 1 else f"{rid}-{j}",
+                                     index=j, output_kind=params.output_kind)
+                   for j in range(params.n)]
+        beam_lane.link_rows(handles)
+        self._enqueue(handles, block)
+        return handles
+
     def _make_handle(self, prompt: Prompt, params: Optional[SamplingParams],
                      request_id: Optional[str] = None, prompt_index: int = 0, index: int = 0,
                      output_kind: Optional[str] = None) -> RequestHandle:
@@ -318,7 +339,8 @@ class LLM:
                  params: Union[None, SamplingParams, Sequence[SamplingParams]] = None, *,
                  use_tqdm: bool = False) -> list[Completion]:
         """Run prompts to completion: a flat list, len(prompts) * n, each prompt's n samples
-        adjacent (`Completion.prompt_index`, `Completion.index`)."""
+        adjacent (`Completion.prompt_index`, `Completion.index`); with num_beams > 1 the n
+        samples are the prompt's n best beams, by rank."""
         single = isinstance(prompts, str) or (
             isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int))
         prompts = [prompts] if single else list(prompts)
@@ -331,6 +353,7 @@ class LLM:
             per_prompt = [params if params is not None else SamplingParams()] * len(prompts)
         handles = [self._make_handle(p, sp, prompt_index=i, index=j, output_kind="final_only")
                    for i, (p, sp) in enumerate(zip(prompts, per_prompt)) for j in range(sp.n)]
+        beam_lane.link_rows(handles)  # a beam prompt's n handles are its n best beams
         self._enqueue(handles, block=True)  # validated all before queueing any
         bar = None
         if use_tqdm:
@@ -586,6 +609,7 @@ class LLM:
             try:
                 self._run_jobs()
                 self._sweep_queue()
+                self._run_beams()
                 self._admit()
                 dispatched = self._dispatch()
                 if in_flight is not None:
@@ -642,6 +666,16 @@ class LLM:
         with self._cond:
             self._queue = collections.deque(r for r in self._queue if not r.lifecycle.is_terminal)
             self._cond.notify_all()
+
+    def _run_beams(self) -> None:
+        """The beam lane (jaxdecode/beam_lane.py): every queued beam request runs now."""
+        with self._cond:
+            beams = [r for r in self._queue if beam_lane.is_beam(r)]
+            if not beams:
+                return
+            self._queue = collections.deque(r for r in self._queue if not beam_lane.is_beam(r))
+            self._cond.notify_all()
+        beam_lane.run(self, beams)
 
     def _admit(self) -> None:
         free = [slot for slot, r in enumerate(self._slots) if r is None]

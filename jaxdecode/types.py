@@ -99,6 +99,8 @@ class Completion:
     `logprobs` is None unless `SamplingParams.logprobs` > 0; then it holds one `TokenLogprob`
     per returned token (`usage.returned_tokens` of them; entry i belongs to `token_ids[i]`):
     tokens hidden by a stop string, a stop id or EOS are not reported.
+    A beam-search request (`num_beams > 1`) has `index` = the beam's rank and `score` = its HF
+    score, sum logprob / (generated length incl. EOS) ** length_penalty; None otherwise.
     """
 
     request_id: str
@@ -114,3 +116,4 @@ class Completion:
     state: Optional[RequestState] = None
     timings: Optional[dict] = None
     logprobs: Optional[tuple[TokenLogprob, ...]] = None
+    score: Optional[float] = None

@@ -9,7 +9,8 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/model
 
 Requests: see `serving.protocol` for the fields, defaults, the OpenAI error body and the finish
 reason mapping; `serving.chat` for chat templates. A request with ``n`` > 1 is submitted as n
-engine requests (ids ``<id>-<i>``), choice i sampling with ``seed + i`` when a seed is given.
+engine requests (ids ``<id>-<i>``), choice i sampling with ``seed + i`` when a seed is given;
+with ``num_beams`` > 1 the n choices are the n best beams of one search (`LLM.submit_beams`).
 ``logprobs`` / ``top_logprobs`` are answered in OpenAI's formats (`serving.protocol`), also in
 every streaming chunk that carries tokens; ``echo``, ``best_of`` != n, ``suffix`` and ``tools``
 get a 400 "not supported" instead of a silent no-op; ``response_format`` goes to the engine, which
@@ -335,10 +336,15 @@ class Server:
                 ids = encode(llm.tokenizer, prompt) if isinstance(prompt, str) else list(prompt)
             handles = []
             try:
-                for i in range(n):
-                    sp_i = sp if n == 1 else dataclasses.replace(sp, seed=choice_seed(sp.seed, i))
-                    rid = request_id if n == 1 else f"{request_id}-{i}"
-                    handles.append(llm.submit(ids, sp_i, request_id=rid))
+                if sp.num_beams > 1:  # one search, its n best beams as the n choices
+                    handles = llm.submit_beams(ids, dataclasses.replace(sp, n=n),
+                                               request_id=request_id)
+                else:
+                    for i in range(n):
+                        sp_i = sp if n == 1 else dataclasses.replace(
+                            sp, seed=choice_seed(sp.seed, i))
+                        rid = request_id if n == 1 else f"{request_id}-{i}"
+                        handles.append(llm.submit(ids, sp_i, request_id=rid))
             except BaseException:
                 for h in handles:
                     h.cancel()

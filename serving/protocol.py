@@ -121,6 +121,10 @@ class _Common(_Model):
     min_tokens: Optional[int] = None
     ignore_eos: Optional[bool] = None
     include_stop_str_in_output: Optional[bool] = None
+    # extensions (HF generate names): beam search, never streamed
+    num_beams: Optional[int] = None
+    length_penalty: Optional[float] = None
+    early_stopping: Optional[Union[bool, str]] = None
 
 
 class CompletionRequest(_Common):
@@ -226,6 +230,9 @@ def check_unsupported(req: _Common, *, chat: bool, max_n: int) -> None:
     n = 1 if req.n is None else req.n
     if not 1 <= n <= max_n:
         raise bad_request(f"n: must be in [1, {max_n}], got {n}", "n")
+    if req.stream and (req.num_beams or 1) > 1:
+        raise _unsupported("stream", "beam search (num_beams > 1) returns final results only; "
+                           "send stream: false")
     if chat:
         if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
             raise bad_request(f"top_logprobs: must be in [0, {MAX_LOGPROBS}], got "
@@ -270,6 +277,8 @@ def sampling_params(req: _Common, *, chat: bool, stream: bool, default_max_token
     remaining context for chat (the engine clamps max_tokens to max_len - prompt length).
     `top_k: -1` means disabled (vLLM's convention) like 0. Text is decoded with
     `utf8_errors="replace"` (U+FFFD, as vLLM), so a model's invalid bytes never fail a request.
+    `num_beams`, `length_penalty`, `early_stopping` (extensions, HF names) ask for beam search;
+    then `n` is the number of beams returned (the server sets it; see `LLM.submit_beams`).
     """
     max_tokens, mt_name = max_tokens_field(req, chat)
     shown = top_logprobs_count(req, chat)
@@ -296,6 +305,9 @@ def sampling_params(req: _Common, *, chat: bool, stream: bool, default_max_token
         utf8_errors="replace",
         output_kind="delta" if stream else "final_only",
         response_format=req.response_format,
+        num_beams=1 if req.num_beams is None else req.num_beams,
+        length_penalty=1.0 if req.length_penalty is None else req.length_penalty,
+        early_stopping=False if req.early_stopping is None else req.early_stopping,
     )
     try:
         return SamplingParams(**kwargs)

@@ -407,6 +407,14 @@ BAD = [
     ("/v1/completions", {"prompt": "Hi", "logprobs": True}, "logprobs"),
     ("/v1/completions", {"prompt": "Hi", "echo": True}, "echo"),
     ("/v1/completions", {"prompt": "Hi", "stream": "yes"}, "stream"),
+    ("/v1/completions", {"prompt": "Hi", "num_beams": 2, "stream": True}, "stream"),
+    ("/v1/completions", {"prompt": "Hi", "num_beams": 0}, "num_beams"),
+    ("/v1/completions", {"prompt": "Hi", "num_beams": 2, "n": 3}, "n"),
+    ("/v1/completions", {"prompt": "Hi", "num_beams": 2, "early_stopping": "soon"},
+     "early_stopping"),
+    ("/v1/completions", {"prompt": "Hi", "num_beams": 2, "length_penalty": "x"},
+     "length_penalty"),
+    ("/v1/completions", {"prompt": "Hi", "num_beams": 2, "temperature": 0.5}, "temperature"),
     ("/v1/completions", {"prompt": ""}, "prompt"),
     ("/v1/completions", {"prompt": [999]}, "prompt"),
     ("/v1/completions", {"prompt": ["a", "b"]}, "prompt"),
@@ -452,6 +460,18 @@ def test_bad_fields_get_400_with_the_openai_error_body_naming_param(client):
     r = client.get("/v1/nothing")
     assert r.status_code == 404 and "error" in r.json()
     assert metric(client, "jaxdecode_requests_rejected_total", reason="invalid_value") > 0
+
+
+def test_beam_search_S10_extension_fields_give_the_n_best_beams(client):
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 6, "num_beams": 3, "n": 2,
+            "length_penalty": 0.5, "early_stopping": "never"}
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1]
+    assert choices[0]["text"] == expected(5, 6)  # the script's path is the best beam
+    assert choices[1]["text"] != choices[0]["text"]
+    assert r.json()["usage"]["completion_tokens"] == 12
 
 
 def test_auth_401_without_the_key_and_health_open(server):
