@@ -472,6 +472,8 @@ class Server:
         else:
             choice = {"index": i, "text": text, "logprobs": logprobs}
         choice.update(self._finish_fields(h, tracked))
+        if h.score is not None:  # extension: a beam's HF score (SPEC §10)
+            choice["score"] = h.score
         return choice
 
     # -- streaming --------------------------------------------------------------------------------

@@ -471,7 +471,11 @@ def test_beam_search_S10_extension_fields_give_the_n_best_beams(client):
     assert [c["index"] for c in choices] == [0, 1]
     assert choices[0]["text"] == expected(5, 6)  # the script's path is the best beam
     assert choices[1]["text"] != choices[0]["text"]
+    assert choices[0]["score"] >= choices[1]["score"]
     assert r.json()["usage"]["completion_tokens"] == 12
+    plain = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hello",
+                                                 "max_tokens": 2})
+    assert "score" not in plain.json()["choices"][0]
 
 
 def test_auth_401_without_the_key_and_health_open(server):
