@@ -19,8 +19,22 @@ Usage (SPEC §9): selected = tokens the device chose for the request; processed 
 into the cache while the request went on (`decode.completed`); returned = those whose text was
 returned. With several endings on one token the one that ends the text wins (S9).
 
+Log-probabilities (`SamplingParams.logprobs` = N > 0): every selected token's raw log-probability
+and top N are kept with the request (`TokenLogprob`). The step computes a static top
+`MAX_LOGPROBS` (the largest N allowed; `LLM.logprobs_k`, capped by the vocabulary) whenever some
+live row asked, else none, so new values of N never recompile; only then are they fetched.
+Reported are exactly the returned tokens (`usage.returned_tokens`; those hidden by a stop string,
+a stop id or EOS are not), in order: each delta event carries, in `data["logprobs"]`, the
+entries of the tokens that became returned since the previous delta (a token is returned once
+its text begins inside the returned text), the final delta also those that showed no text;
+`Completion.logprobs` holds them all.
+
 Streams without a reader: `generate()` uses the `final_only` kind, so nothing accumulates;
 `submit()` keeps up to `max_buffered` unsent events under the chosen back-pressure policy.
+
+Beam search (`SamplingParams.num_beams > 1`, SPEC §10) runs in the beam lane
+(jaxdecode/beam_lane.py): at the safe point after the queue sweep the engine thread takes the
+queued beam requests and runs them as `jd.beam_search` calls; slot rows get no step meanwhile.
 """
 
 from __future__ import annotations
@@ -37,16 +51,16 @@ from typing import Any, Iterator, Optional, Sequence, Union
 import jax
 import numpy as np
 
-from jaxdecode import constraints, decode, step_ops
+from jaxdecode import beam_lane, constraints, decode, step_ops
 from jaxdecode import replay as replay_lib
 from jaxdecode import request_state
-from jaxdecode.config import SamplingParams
+from jaxdecode.config import MAX_LOGPROBS, SamplingParams
 from jaxdecode.host import Lifecycle, OrderedStream, TextPipeline
 from jaxdecode.model_api import DecoderModel
 from jaxdecode.state import EOS, RUNNING, STOP_TOKEN, RowParams, seed_key_data
 from jaxdecode.tokenization import encode, eos_token_id
 from jaxdecode.types import (Completion, DecodingError, ErrorCode, FinishReason, RequestState,
-                             Usage)
+                             TokenLogprob, Usage)
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +104,9 @@ class RequestHandle:
             include_stop_in_output=sampling.include_stop_in_output,
             skip_special_tokens=sampling.skip_special_tokens, errors=sampling.utf8_errors)
         self.token_ids: list[int] = []
+        # one TokenLogprob per selected token when the request asked for logprobs, else None
+        self.logprobs: Optional[list[TokenLogprob]] = [] if sampling.logprobs else None
+        self.reported = 0  # logprobs already sent in a delta
         self.selected = 0
         self.processed = 0
         self.dispatched = 0  # steps dispatched while in a slot (one may be ahead of `selected`)
@@ -98,6 +115,8 @@ class RequestHandle:
         self.user_paused = False   # pause(): the row skips steps, its state unchanged (B1)
         self.in_flight = 0         # dispatched steps of this row not yet processed
         self.restored: Optional[dict] = None  # saved arrays, when restored from disk
+        self.beam_row: list = [self]  # handles sharing one beam-search row (beam_lane)
+        self.score: Optional[float] = None  # a beam's score (beam_lane)
         self._settled = threading.Event()
         self._engine = engine
         self._done = threading.Event()
@@ -148,6 +167,21 @@ class RequestHandle:
                      processed_tokens=self.processed,
                      returned_tokens=self.pipeline.returned_tokens)
 
+    def take_logprobs(self) -> Optional[tuple[TokenLogprob, ...]]:
+        """The logprobs of the returned tokens not yet sent in a delta (None when not asked)."""
+        if self.logprobs is None:
+            return None
+        end = self.pipeline.returned_tokens
+        new = tuple(self.logprobs[self.reported:end])
+        self.reported = max(self.reported, end)
+        return new
+
+    def returned_logprobs(self) -> Optional[tuple[TokenLogprob, ...]]:
+        """The logprobs of the returned tokens so far (None when not asked)."""
+        if self.logprobs is None:
+            return None
+        return tuple(self.logprobs[:self.pipeline.returned_tokens])
+
     def completion(self) -> Completion:
         term = self.lifecycle.terminal_event
         data = term.data if term is not None else {}
@@ -160,7 +194,8 @@ class RequestHandle:
             usage=self.usage(), events=tuple(self.lifecycle.events),
             record=self._engine._record(self, finish, error),
             prompt_index=self.prompt_index, index=self.index, state=self.lifecycle.state,
-            timings=self.lifecycle.timings(self.pipeline).as_dict())
+            timings=self.lifecycle.timings(self.pipeline).as_dict(), score=self.score,
+            logprobs=self.returned_logprobs())
 
     def __repr__(self) -> str:
         return f"RequestHandle({self.request_id!r}, {self.lifecycle.state.value})"
@@ -168,10 +203,12 @@ class RequestHandle:
 
 @dataclasses.dataclass
 class _Dispatched:
-    """A step in flight: its output and which request owned each slot when it was dispatched."""
+    """A step in flight: its output, which request owned each slot when it was dispatched, and
+    its static top-k (0 or LLM.logprobs_k)."""
 
     out: Any
     owners: list
+    top_k: int = 0
 
 
 class LLM:
@@ -197,6 +234,7 @@ class LLM:
             if not eos_token_ids and eos_token_id(tokenizer) is not None:
                 eos_token_ids = (eos_token_id(tokenizer),)
         self.eos_token_ids = tuple(eos_token_ids)
+        self.logprobs_k = min(MAX_LOGPROBS, model.config.vocab_size)  # the step's top-k
         self.model_source = model_source  # where the weights came from ("demo", a directory)
         # a jax.sharding.Mesh: the step state is placed by slots.state_sharding (KV cache per
         # model_api.CACHE_RULES); shard the params with models.shard_params(params, mesh)
@@ -229,6 +267,21 @@ class LLM:
         handle = self._make_handle(prompt, params, request_id)
         self._enqueue([handle], block)
         return handle
+
+    def submit_beams(self, prompt: Prompt, params: SamplingParams, *,
+                     request_id: Optional[str] = None, block: bool = False) -> list:
+        """Queue a beam-search request (num_beams > 1) as its n best beams: one handle per
+        rank sharing one search row (jaxdecode/beam_lane.py), ids `<request_id>-<rank>` when
+        n > 1. Raises like `submit`."""
+        if not isinstance(params, SamplingParams) or params.num_beams == 1:
+            raise ValueError("num_beams: submit_beams() takes SamplingParams with num_beams > 1")
+        rid = request_id or f"req-{next(self._ids)}"
+        handles = [self._make_handle(prompt, params, rid if params.n == 1 else f"{rid}-{j}",
+                                     index=j, output_kind=params.output_kind)
+                   for j in range(params.n)]
+        beam_lane.link_rows(handles)
+        self._enqueue(handles, block)
+        return handles
 
     def _make_handle(self, prompt: Prompt, params: Optional[SamplingParams],
                      request_id: Optional[str] = None, prompt_index: int = 0, index: int = 0,
@@ -287,7 +340,8 @@ class LLM:
                  params: Union[None, SamplingParams, Sequence[SamplingParams]] = None, *,
                  use_tqdm: bool = False) -> list[Completion]:
         """Run prompts to completion: a flat list, len(prompts) * n, each prompt's n samples
-        adjacent (`Completion.prompt_index`, `Completion.index`)."""
+        adjacent (`Completion.prompt_index`, `Completion.index`); with num_beams > 1 the n
+        samples are the prompt's n best beams, by rank."""
         single = isinstance(prompts, str) or (
             isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int))
         prompts = [prompts] if single else list(prompts)
@@ -300,6 +354,7 @@ class LLM:
             per_prompt = [params if params is not None else SamplingParams()] * len(prompts)
         handles = [self._make_handle(p, sp, prompt_index=i, index=j, output_kind="final_only")
                    for i, (p, sp) in enumerate(zip(prompts, per_prompt)) for j in range(sp.n)]
+        beam_lane.link_rows(handles)  # a beam prompt's n handles are its n best beams
         self._enqueue(handles, block=True)  # validated all before queueing any
         bar = None
         if use_tqdm:
@@ -317,12 +372,14 @@ class LLM:
 
     def warmup(self, max_prompt_len: int = 64) -> int:
         """Compile every shape the engine can meet for prompts up to `max_prompt_len`
-        (`step_ops.warmup_shapes`). Returns the compilations. With a step hook, call it before
-        the first request (the op must not interleave with the engine thread's)."""
-        op = step_ops.warmup(max_prompt_len)
+        (`step_ops.warmup_shapes`: prefill per admission batch and prompt bucket, the slot
+        scatter, the decode step per attention bucket with and without logprobs). Returns the
+        compilations. With a step hook, call it before the first request (the op must not
+        interleave with the engine thread's)."""
+        op = step_ops.warmup(max_prompt_len, self.logprobs_k)
         if self.step_hook is not None:
             self.step_hook.publish(op)
-        return step_ops.warmup_shapes(self._context, max_prompt_len)
+        return step_ops.warmup_shapes(self._context, max_prompt_len, self.logprobs_k)
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the engine thread; requests still queued or running end CANCELLED."""
@@ -401,6 +458,8 @@ class LLM:
                 "index": handle.index, "prompt_index": handle.prompt_index,
                 "output_kind": handle.lifecycle.stream.output_kind.value,
                 "token_ids": handle.token_ids, "selected": handle.selected,
+                "logprobs": (None if handle.logprobs is None
+                             else [dataclasses.astuple(e) for e in handle.logprobs]),
                 "processed": handle.processed, "next_seq": handle.lifecycle.stream.next_seq,
                 "model_hash": self.params_hash}
         return str(request_state.save(path, arrays, meta))
@@ -437,6 +496,10 @@ class LLM:
         r.selected, r.processed = meta["selected"], meta["processed"]
         for token in r.token_ids:  # rebuild the detokenizer and stop-matcher state
             r.pipeline.push(token)
+        if r.logprobs is not None:  # the returned tokens' logprobs were sent before the save
+            r.logprobs = [TokenLogprob(i, lp, tuple(map(tuple, top)))
+                          for i, lp, top in meta.get("logprobs") or ()]
+            r.reported = r.pipeline.returned_tokens
         r.lifecycle.stream.continue_numbering(meta["next_seq"])
         r.lifecycle.record("request.restored", selected=r.selected)
         r.restored = arrays
@@ -511,6 +574,7 @@ class LLM:
             try:
                 self._run_jobs()
                 self._sweep_queue()
+                self._run_beams()
                 self._admit()
                 dispatched = self._dispatch()
                 if in_flight is not None:
@@ -567,6 +631,16 @@ class LLM:
         with self._cond:
             self._queue = collections.deque(r for r in self._queue if not r.lifecycle.is_terminal)
             self._cond.notify_all()
+
+    def _run_beams(self) -> None:
+        """The beam lane (jaxdecode/beam_lane.py): every queued beam request runs now."""
+        with self._cond:
+            beams = [r for r in self._queue if beam_lane.is_beam(r)]
+            if not beams:
+                return
+            self._queue = collections.deque(r for r in self._queue if not beam_lane.is_beam(r))
+            self._cond.notify_all()
+        beam_lane.run(self, beams)
 
     def _admit(self) -> None:
         free = [slot for slot, r in enumerate(self._slots) if r is None]
@@ -661,8 +735,9 @@ class LLM:
             r.dispatched += 1
             r.in_flight += 1
             r.lifecycle.record("decode.started", step=r.dispatched)
-        out = self._device(step_ops.step(kv_len, 0))
-        return _Dispatched(out=out, owners=[r if r in live else None for r in owners])
+        k = self.logprobs_k if any(r.logprobs is not None for r in live) else 0
+        out = self._device(step_ops.step(kv_len, k))
+        return _Dispatched(out=out, owners=[r if r in live else None for r in owners], top_k=k)
 
     def _device(self, op: step_ops.StepOp) -> Any:
         """Every device call of the engine thread: published to the step hook, then applied
@@ -673,7 +748,11 @@ class LLM:
         return out
 
     def _process(self, step: _Dispatched) -> None:
-        tokens, finish = jax.device_get((step.out.token, step.out.finish))
+        out = step.out
+        lp_arrays = (out.logprob, out.top_ids, out.top_logprobs) if step.top_k else ()
+        fetched = jax.device_get((out.token, out.finish) + lp_arrays)  # one transfer
+        tokens, finish = fetched[:2]
+        logprob, top_ids, top_lps = fetched[2:] if step.top_k else (None, None, None)
         for r in step.owners:
             if r is not None:
                 r.in_flight -= 1
@@ -684,8 +763,14 @@ class LLM:
                 self._end_cancelled(r)
                 continue
             token, code = int(tokens[slot]), int(finish[slot])
-            if token >= 0:
-                self._on_token(r, token, code)
+            if token < 0:
+                continue
+            entry = None
+            if r.logprobs is not None:  # then step.top_k > 0: the row was live at dispatch
+                n = r.sampling.logprobs
+                entry = TokenLogprob(token, float(logprob[slot]), tuple(
+                    zip(top_ids[slot, :n].tolist(), top_lps[slot, :n].tolist())))
+            self._on_token(r, token, code, entry)
         self._sweep_slots()
 
     def _sweep_slots(self) -> None:
@@ -700,7 +785,8 @@ class LLM:
             elif r.deadline is not None and now >= r.deadline:
                 self._end(r, FinishReason.DEADLINE_EXCEEDED)
 
-    def _on_token(self, r: RequestHandle, token: int, code: int) -> None:
+    def _on_token(self, r: RequestHandle, token: int, code: int,
+                  entry: Optional[TokenLogprob]) -> None:
         lc = r.lifecycle
         if code in decode.ERRORS:  # NaN logits, every token masked, a grammar dead end (P2):
             self._fail(r, decode.ERRORS[code], decode.ERRORS[code].value)  # nothing selected
@@ -708,6 +794,8 @@ class LLM:
         r.selected += 1
         t = r.selected
         r.token_ids.append(token)
+        if entry is not None:
+            r.logprobs.append(entry)
         lc.record("token.selected", step=t, token=token)
         if code == EOS or (code == STOP_TOKEN and not r.sampling.include_stop_in_output):
             self._end(r, decode.FINISH_REASONS[code])  # never shown (D6, S8)
@@ -717,7 +805,7 @@ class LLM:
         except (DecodingError, ValueError) as exc:
             self._fail(r, ErrorCode.DECODING_ERROR, str(exc))
             return
-        lc.emit_delta(pushed.text)
+        lc.emit_delta(pushed.text, r.take_logprobs())
         if pushed.hit is not None:
             lc.record("stop.hit", stop=pushed.hit.stop, index=pushed.hit.index)
             self._end(r, FinishReason.STOP_SEQUENCE)
@@ -739,7 +827,7 @@ class LLM:
         except DecodingError as exc:
             self._fail(r, ErrorCode.DECODING_ERROR, str(exc))
             return
-        lc.emit_delta(final.text)
+        lc.emit_delta(final.text, r.take_logprobs())
         if final.hit is not None and reason is not FinishReason.STOP_SEQUENCE:
             lc.record("stop.hit", stop=final.hit.stop, index=final.hit.index)
         lc.complete(final.finish_reason, usage=r.usage())

@@ -136,8 +136,9 @@ def reset() -> StepOp:
     return StepOp(RESET)
 
 
-def warmup(max_prompt_len: int) -> StepOp:
-    return StepOp(WARMUP, {"max_prompt_len": _i32(max_prompt_len)})
+def warmup(max_prompt_len: int, top_logprobs: int = 0) -> StepOp:
+    return StepOp(WARMUP, {"max_prompt_len": _i32(max_prompt_len),
+                           "top_logprobs": _i32(top_logprobs)})
 
 
 def stop() -> StepOp:
@@ -221,14 +222,15 @@ def apply(ctx: Context, state: Optional[StepState], op: StepOp) -> tuple[Optiona
     if op.code == RESET:
         return None, None
     if op.code == WARMUP:
-        return state, warmup_shapes(ctx, op.scalar("max_prompt_len"))
+        return state, warmup_shapes(ctx, op.scalar("max_prompt_len"), op.scalar("top_logprobs"))
     raise ValueError(f"op: {op.name} is not applied to a state (the follower loop ends on it)")
 
 
-def warmup_shapes(ctx: Context, max_prompt_len: int) -> int:
+def warmup_shapes(ctx: Context, max_prompt_len: int, top_logprobs: int = 0) -> int:
     """Compile every shape the engine can meet for prompts up to `max_prompt_len`: prefill
     for each admission batch (powers of two up to max_slots) and prompt bucket, the slot
-    scatter, and the decode step for each attention bucket. Returns the compilations."""
+    scatter, and the decode step for each attention bucket, without logprobs and with
+    `top_logprobs` (the engine's two step variants). Returns the compilations."""
     before = decode.compilation_count()
     model, params = ctx.model, ctx.params
     state = slots.empty_state(model, params, ctx.max_slots, ctx.max_len, ctx.eos_token_ids,
@@ -250,9 +252,10 @@ def warmup_shapes(ctx: Context, max_prompt_len: int) -> int:
     state = slots.set_flags(state, flags_, flags_)
     kv = min(KV_BUCKET_MIN, ctx.max_len)
     while True:
-        state, out = decode.decode_step_jit(model, params, state, 0, kv)
-        if ctx.replicate_outputs and ctx.mesh is not None:
-            out = _replicated(ctx.mesh, out)
+        for k in (0, top_logprobs):
+            state, out = decode.decode_step_jit(model, params, state, k, kv)
+            if ctx.replicate_outputs and ctx.mesh is not None:
+                out = _replicated(ctx.mesh, out)
         if kv >= ctx.max_len:
             break
         kv = min(2 * kv, ctx.max_len)
