@@ -3,7 +3,8 @@
 A beam request is not streamed token by token: beams reorder until the search ends, so (as in
 HF `generate` and vLLM's beam search) its results are final. The engine thread takes the beam
 requests out of the admission queue at its next safe point (after the queue sweep, before slot
-admission) and runs them here, on the same thread, as `jd.beam_search` device calls:
+admission) and runs them here, on the same thread, as `jd.beam_search` device calls (each a
+BEAM step op through `LLM._device`, so multi-host followers make the same call):
 
 - One row per prompt: `LLM.generate` links the `n` handles of a prompt (`link_rows`), which
   share one row and take its beams by rank (`Completion.index`); a handle from `submit` or
@@ -51,7 +52,7 @@ import json
 import logging
 from typing import Any
 
-from jaxdecode.beam import beam_search
+from jaxdecode import step_ops
 from jaxdecode.types import ErrorCode, FinishReason, RequestState
 
 logger = logging.getLogger(__name__)
@@ -120,8 +121,7 @@ def _run_call(engine: Any, settings: dict, rows: list) -> None:
             h.lifecycle.transition(RequestState.PREFILLING)
             h.lifecycle.transition(RequestState.DECODING)  # prefill is inside the one call
             h.lifecycle.record("beam.started", num_beams=h.sampling.num_beams, rows=len(live))
-    out = beam_search(engine.model, engine.params, [row[0].prompt_ids for row in live],
-                      num_beams=widths, tokenizer=engine.tokenizer, **settings)
+    out = engine._device(step_ops.beam([row[0].prompt_ids for row in live], widths, settings))
     for r, row in enumerate(live):
         for h in row:
             if h.lifecycle.observe_cancel():  # L4: the finished call's result is discarded

@@ -243,7 +243,8 @@ class LLM:
         # applied: serving/distributed.py broadcasts them to the other hosts' followers
         self.step_hook = step_hook
         self._context = step_ops.Context(model, params, max_slots, max_len, self.eos_token_ids,
-                                         mesh, replicate_outputs=step_hook is not None)
+                                         mesh, replicate_outputs=step_hook is not None,
+                                         tokenizer=tokenizer)
         self._hashes: dict = {}
         self.error: Optional[str] = None  # the last engine failure (health)
         self._cond = threading.Condition()

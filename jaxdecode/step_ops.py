@@ -11,6 +11,7 @@ own state, so leader and followers cannot drift. One op = one device action:
     RESTORE  insert a saved row into a slot      GRAMMAR  new grammar tables / rebased states
     FLAGS    release and pause masks             STEP     one decode step (kv_len, top_logprobs)
     RESET    drop the state (after a failure)    WARMUP   compile every engine shape
+    BEAM     one `jd.beam_search` call of the engine's beam lane (the slot state is untouched)
     STOP     the leader is shutting down (followers return)
 
 An op is data only: an op code and named numpy arrays (scalars are 0-d arrays). `to_bytes` /
@@ -23,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import io
+import json
 from typing import Any, Mapping, Optional, Sequence
 
 import jax
@@ -31,15 +33,16 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxdecode import decode, slots
+from jaxdecode.beam import beam_search
 from jaxdecode.config import SamplingParams
 from jaxdecode.constraints.tables import GrammarTables
 from jaxdecode.model_api import DecoderModel
 from jaxdecode.state import RowParams, StepState
 
 VERSION = 1
-INIT, ADMIT, RESTORE, GRAMMAR, FLAGS, STEP, RESET, WARMUP, STOP = range(1, 10)
+INIT, ADMIT, RESTORE, GRAMMAR, FLAGS, STEP, RESET, WARMUP, STOP, BEAM = range(1, 11)
 NAMES = {INIT: "init", ADMIT: "admit", RESTORE: "restore", GRAMMAR: "grammar", FLAGS: "flags",
-         STEP: "step", RESET: "reset", WARMUP: "warmup", STOP: "stop"}
+         STEP: "step", RESET: "reset", WARMUP: "warmup", STOP: "stop", BEAM: "beam"}
 
 # Attention reads only the first kv_len cache positions, a power of two >= this covering every
 # live row: few compiled variants, and short requests never pay for a long max_len.
@@ -145,6 +148,19 @@ def stop() -> StepOp:
     return StepOp(STOP)
 
 
+def beam(prompt_ids: Sequence[Sequence[int]], widths: Sequence[int], settings: dict) -> StepOp:
+    """`jd.beam_search(prompts, num_beams=widths, **settings)`; the settings (JSON values:
+    limits, penalties, ending ids, response_format) travel as UTF-8 JSON bytes."""
+    tokens = np.zeros((len(prompt_ids), max(map(len, prompt_ids))), np.int32)
+    for i, ids in enumerate(prompt_ids):
+        tokens[i, :len(ids)] = ids
+    text = json.dumps(settings, sort_keys=True).encode()
+    return StepOp(BEAM, {"tokens": tokens,
+                         "lengths": np.array([len(p) for p in prompt_ids], np.int32),
+                         "widths": np.asarray(widths, np.int32),
+                         "settings": np.frombuffer(text, np.uint8).copy()})
+
+
 # -- serialization -----------------------------------------------------------------------------
 
 def to_bytes(op: StepOp) -> bytes:
@@ -184,11 +200,13 @@ class Context:
     eos_token_ids: tuple
     mesh: Optional[Any] = None
     replicate_outputs: bool = False
+    tokenizer: Any = None  # BEAM: compiles a response_format
 
 
 def apply(ctx: Context, state: Optional[StepState], op: StepOp) -> tuple[Optional[StepState], Any]:
     """Apply `op` to `state`: returns the new state and the op's output (STEP: the StepOutput;
-    WARMUP: the number of compilations; otherwise None). The state is donated."""
+    BEAM: the GenerateOutput; WARMUP: the number of compilations; otherwise None). The state
+    is donated."""
     a = op.arrays
     if op.code == INIT:
         _check_config(ctx, op)
@@ -221,6 +239,12 @@ def apply(ctx: Context, state: Optional[StepState], op: StepOp) -> tuple[Optiona
         return state, out
     if op.code == RESET:
         return None, None
+    if op.code == BEAM:
+        settings = json.loads(a["settings"].tobytes())
+        settings["eos_token_ids"] = tuple(settings["eos_token_ids"])
+        prompts = [t[:n].tolist() for t, n in zip(a["tokens"], a["lengths"])]
+        return state, beam_search(ctx.model, ctx.params, prompts, num_beams=a["widths"].tolist(),
+                                  tokenizer=ctx.tokenizer, **settings)
     if op.code == WARMUP:
         return state, warmup_shapes(ctx, op.scalar("max_prompt_len"), op.scalar("top_logprobs"))
     raise ValueError(f"op: {op.name} is not applied to a state (the follower loop ends on it)")

@@ -48,7 +48,10 @@ def _ops():
             step_ops.grammar(np.array([True, False]), np.array([3, 0], np.int32), tables),
             step_ops.grammar(np.array([True, True]), np.array([0, 0], np.int32), None),
             step_ops.flags(np.array([True, False]), np.array([False, True])),
-            step_ops.step(512, 3), step_ops.reset(), step_ops.warmup(64), step_ops.stop()]
+            step_ops.step(512, 3), step_ops.reset(), step_ops.warmup(64, 5), step_ops.stop(),
+            step_ops.beam([[5, 6, 7], [9]], [2, 3],
+                          {"max_new_tokens": 8, "eos_token_ids": (2,), "early_stopping": "never",
+                           "response_format": {"type": "regex", "pattern": "[a-z]+"}})]
 
 
 def test_step_ops_round_trip_exactly():
@@ -62,6 +65,7 @@ def test_step_ops_round_trip_exactly():
     assert admit.arrays["rows.bias"][0, 3] == np.float32(-1.5)
     assert "grammar_local" not in ops[3].arrays and ops[3].scalar("grammar_state") == 5
     assert not ops[1].equals(ops[2]) and not ops[7].equals(step_ops.step(512, 0))
+    assert ops[-1].arrays["tokens"].tolist() == [[5, 6, 7], [9, 0, 0]]
 
 
 def test_step_ops_errors_name_the_field():
@@ -100,7 +104,11 @@ class _Recorder:
             state, out = real(ctx, state, op)
             if op.code == step_ops.STEP:
                 self.outputs.setdefault(threading.current_thread().name, []).append(
-                    tuple(np.asarray(x) for x in (out.token, out.finish, out.logprob)))
+                    tuple(np.asarray(x) for x in (out.token, out.finish, out.logprob,
+                                                  out.top_ids, out.top_logprobs)))
+            if op.code == step_ops.BEAM:
+                self.outputs.setdefault(threading.current_thread().name, []).append(
+                    (np.asarray(json.dumps(out.beams)),))
             return state, out
 
         monkeypatch.setattr(step_ops, "apply", apply)
@@ -108,9 +116,9 @@ class _Recorder:
 
 @pytest.mark.skipif(not os.path.exists(DEMO_WEIGHTS), reason="demo weights are not present")
 def test_follower_replays_the_leader_bit_for_bit(monkeypatch, tmp_path):
-    """Greedy, seeded sampling, stop strings, two grammars arriving apart (table rebuild and
-    rebase), a cancel mid-way, slot reuse, a request saved and restored: the follower's step
-    outputs equal the leader's."""
+    """Greedy, seeded sampling, logprobs, stop strings, two grammars arriving apart (table
+    rebuild and rebase), a cancel mid-way, slot reuse, a beam search, a request saved and
+    restored: the follower's step and beam outputs equal the leader's."""
     import models
 
     model, params, tok = models.demo()
@@ -131,7 +139,9 @@ def test_follower_replays_the_leader_bit_for_bit(monkeypatch, tmp_path):
         long.cancel()
         hs.append(llm.submit("answer = ", jd.SamplingParams(
             seed=11, max_tokens=6, response_format={"type": "choice", "choices": ["yes", "no"]})))
-        hs.append(llm.submit("import ", jd.SamplingParams(seed=1, max_tokens=9, top_p=0.9)))
+        hs.append(llm.submit("import ", jd.SamplingParams(seed=1, max_tokens=9, top_p=0.9,
+                                                          logprobs=2)))
+        hs.append(llm.submit("def g():", jd.SamplingParams(num_beams=3, max_tokens=6)))
         done = [h.result(timeout=300) for h in hs]
         saved = llm.submit("def f(x):", jd.SamplingParams(seed=2, max_tokens=14, ignore_eos=True))
         next(e for e in saved.events() if e.kind == "delta")
@@ -291,6 +301,10 @@ def test_serve_distributed_processes_on_cpu(processes):
         body = dict(body, temperature=0.8, seed=5, n=2)
         r2 = httpx.post(url + "/v1/completions", json=body, timeout=120)
         assert r2.status_code == 200 and len(r2.json()["choices"]) == 2
+        body = {"model": "demo", "prompt": "def main():", "max_tokens": 6, "num_beams": 3, "n": 2}
+        r3 = httpx.post(url + "/v1/completions", json=body, timeout=120)
+        assert r3.status_code == 200 and len(r3.json()["choices"]) == 2, r3.text
+        beams = [c["text"] for c in r3.json()["choices"]]
     finally:
         procs[0].send_signal(signal.SIGINT)
         codes = [p.wait(timeout=120) for p in procs]
@@ -305,7 +319,9 @@ def test_serve_distributed_processes_on_cpu(processes):
     model, params, tok = models.demo()
     with jd.LLM(model, params, tok, max_slots=2, max_len=128) as llm:
         [ref] = llm.generate("def main():", jd.SamplingParams(temperature=0, max_tokens=12))
+        ref_beams = llm.generate("def main():", jd.SamplingParams(num_beams=3, n=2, max_tokens=6))
     assert ref.text == text
+    assert beams == [c.text for c in ref_beams]
 
 
 def test_coordinator_flags_all_three_or_none():
