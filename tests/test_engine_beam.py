@@ -198,12 +198,12 @@ def test_beam_engine_X_replay_reruns_a_beam_record(model, tok):
 
 
 def test_beam_engine_failed_call_fails_its_requests_only(model, tok, monkeypatch):
-    from jaxdecode import beam_lane
+    from jaxdecode import step_ops
 
     def broken(*args, **kw):
         raise RuntimeError("injected device failure")
 
-    monkeypatch.setattr(beam_lane, "beam_search", broken)
+    monkeypatch.setattr(step_ops, "beam_search", broken)  # the beam lane's BEAM op calls it
     sp = jd.SamplingParams(temperature=0.0, max_tokens=5, utf8_errors="replace")
     with jd.LLM(model, {}, tok, max_slots=2, max_len=64) as llm:
         slot, beam = llm.generate([[5], [7, 8]], [sp, beams(num_beams=2, max_tokens=5)])
