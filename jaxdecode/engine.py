@@ -39,7 +39,7 @@ import numpy as np
 
 import jax.numpy as jnp
 
-from jaxdecode import constraints, decode, slots
+from jaxdecode import constraints, decode, slots, speculative_engine
 from jaxdecode import replay as replay_lib
 from jaxdecode import request_state
 from jaxdecode.config import SamplingParams
@@ -102,6 +102,7 @@ class RequestHandle:
         self.user_paused = False   # pause(): the row skips steps, its state unchanged (B1)
         self.in_flight = 0         # dispatched steps of this row not yet processed
         self.restored: Optional[dict] = None  # saved arrays, when restored from disk
+        self.speculative: Optional[dict] = None  # acceptance counters (speculative engine)
         self._settled = threading.Event()
         self._engine = engine
         self._done = threading.Event()
@@ -164,7 +165,13 @@ class RequestHandle:
             usage=self.usage(), events=tuple(self.lifecycle.events),
             record=self._engine._record(self, finish, error),
             prompt_index=self.prompt_index, index=self.index, state=self.lifecycle.state,
-            timings=self.lifecycle.timings(self.pipeline).as_dict())
+            timings=self._timings())
+
+    def _timings(self) -> dict:
+        timings = self.lifecycle.timings(self.pipeline).as_dict()
+        if self.speculative is not None:
+            timings["speculative"] = dict(self.speculative)
+        return timings
 
     def __repr__(self) -> str:
         return f"RequestHandle({self.request_id!r}, {self.lifecycle.state.value})"
@@ -185,7 +192,7 @@ class LLM:
                  max_len: int = 2048, eos_token_ids: Optional[Sequence[int]] = None,
                  max_queue: int = 1024, max_buffered: int = 4096, backpressure: str = "buffer",
                  trace: bool = True, model_source: Optional[str] = None,
-                 mesh: Optional[Any] = None):
+                 mesh: Optional[Any] = None, speculative: Optional[dict] = None):
         if not isinstance(max_slots, int) or max_slots < 1:
             raise ValueError(f"max_slots: must be a positive integer, got {max_slots!r}")
         if not isinstance(max_len, int) or not 2 <= max_len <= model.config.max_len:
@@ -205,6 +212,13 @@ class LLM:
         # a jax.sharding.Mesh: the step state is placed by slots.state_sharding (KV cache per
         # model_api.CACHE_RULES); shard the params with models.shard_params(params, mesh)
         self.mesh = mesh
+        # speculative decoding (SPEC §10): every step is one verify round over all slots
+        self._spec: Optional[speculative_engine.SpeculativeRunner] = None
+        if speculative is not None:
+            config = speculative_engine.SpeculativeConfig.parse(speculative, model, max_len)
+            if mesh is not None:
+                raise ValueError("speculative: not supported together with mesh yet")
+            self._spec = speculative_engine.SpeculativeRunner(config, model, params)
         self._hashes: dict = {}
         self.error: Optional[str] = None  # the last engine failure (health)
         self._cond = threading.Condition()
@@ -319,6 +333,8 @@ class LLM:
         for each admission batch (powers of two up to max_slots) and prompt bucket, the slot
         scatter, and the decode step for each attention bucket. Returns the compilations."""
         before = decode.compilation_count()
+        if self._spec is not None:
+            return self._warmup_speculative(max_prompt_len, before)
         state = slots.empty_state(self.model, self.params, self.max_slots, self.max_len,
                                   self.eos_token_ids, mesh=self.mesh)
         t_buckets = sorted({decode.bucket(n, self.max_len) for n in
@@ -342,6 +358,18 @@ class LLM:
             if kv >= self.max_len:
                 break
             kv = min(2 * kv, self.max_len)
+        jax.block_until_ready(state)
+        return decode.compilation_count() - before
+
+    def _warmup_speculative(self, max_prompt_len: int, before: int) -> int:
+        t_buckets = sorted({decode.bucket(n, self.max_len) for n in
+                            range(1, min(max_prompt_len, self.max_len - 1) + 1)})
+        batches = sorted({1 << i for i in range((self.max_slots - 1).bit_length() + 1)})
+        kv_buckets = sorted({min(max(decode.bucket(n), KV_BUCKET_MIN), self.max_len)
+                             for n in (1 << i for i in range(self.max_len.bit_length() + 1))})
+        state = self._spec.empty_state(self.max_slots, self.max_len, self.eos_token_ids)
+        state = self._spec.warmup(state, batches, t_buckets, kv_buckets, self.max_len,
+                                  self.eos_token_ids)
         jax.block_until_ready(state)
         return decode.compilation_count() - before
 
@@ -411,6 +439,8 @@ class LLM:
         paused here (`resume()` or `cancel()` it); `restore_request` continues it anywhere."""
         if handle.done or handle.slot is None:
             raise ValueError("request: only a running request (in a slot) can be saved")
+        if self._spec is not None:
+            raise ValueError("speculative: save_request is not supported with speculative=")
         handle.pause()
         if not handle._settled.wait(timeout):
             raise TimeoutError("request: a step of it is still in flight")
@@ -445,6 +475,8 @@ class LLM:
     def restore_request(self, path: str) -> RequestHandle:
         """Continue a request saved by `save_request` (in this or another process): the output
         equals an uninterrupted run's, byte for byte."""
+        if self._spec is not None:
+            raise ValueError("speculative: restore_request is not supported with speculative=")
         arrays, meta = request_state.load(path)
         if meta.get("model_hash") != self.params_hash:
             raise ValueError("path: the saved request was decoded with other weights")
@@ -608,7 +640,10 @@ class LLM:
         with self._cond:
             batch = [self._queue.popleft() for _ in range(min(len(free), len(self._queue)))]
             self._cond.notify_all()
-        if self._state is None and batch:
+        if self._state is None and batch and self._spec is not None:
+            self._state = self._spec.empty_state(self.max_slots, self.max_len,
+                                                 self.eos_token_ids)
+        elif self._state is None and batch:
             self._state = slots.empty_state(self.model, self.params, self.max_slots,
                                             self.max_len, self.eos_token_ids, mesh=self.mesh)
         fresh = [r for r in batch if r.restored is None]
@@ -643,13 +678,18 @@ class LLM:
                                            self.max_len - len(r.prompt_ids)))
         rows = RowParams.build(sampling, self.model.config.vocab_size, self.eos_token_ids,
                                keys=keys)
-        prefilled = decode.prefill(self.model, self.params, tokens, lengths, rows, self.max_len)
+        if self._spec is not None:
+            prefilled = self._spec.prefill(tokens, lengths, rows, self.max_len)
+        else:
+            prefilled = decode.prefill(self.model, self.params, tokens, lengths, rows,
+                                       self.max_len)
         initial = self._grammar_tables(batch)
         if initial is not None:
             states = np.full((n,), -1, np.int32)
             states[:len(batch)] = initial
             prefilled = prefilled.replace(grammar_state=jnp.asarray(states))
-        self._state = slots.insert(self._state, prefilled, targets)
+        ops = slots if self._spec is None else speculative_engine
+        self._state = ops.insert(self._state, prefilled, targets)
         for r, slot in zip(batch, free):
             self._release[slot] = False
             r.slot, r.dispatched = slot, 0
@@ -691,21 +731,32 @@ class LLM:
                 r.lifecycle.record("backpressure.paused" if now else "backpressure.resumed")
         if self._state is not None and (self._release.any() or paused.any()
                                         or self._paused.any()):
-            self._state = slots.set_flags(self._state, self._release.copy(), paused)
+            ops = slots if self._spec is None else speculative_engine
+            self._state = ops.set_flags(self._state, self._release.copy(), paused)
         self._release[:] = False
         self._paused = paused
         if not live:
             return None
-        longest = max(len(r.prompt_ids) + r.dispatched + 1 for r in live)
+        if self._spec is not None:
+            longest = max(self._spec.kv_needed(r) for r in live)
+        else:
+            longest = max(len(r.prompt_ids) + r.dispatched + 1 for r in live)
         kv_len = min(max(decode.bucket(longest), KV_BUCKET_MIN), self.max_len)
         for r in live:
             r.dispatched += 1
             r.in_flight += 1
             r.lifecycle.record("decode.started", step=r.dispatched)
-        self._state, out = decode.decode_step_jit(self.model, self.params, self._state, 0, kv_len)
+        if self._spec is not None:
+            self._state, out = self._spec.step(self._state, kv_len)
+        else:
+            self._state, out = decode.decode_step_jit(self.model, self.params, self._state, 0,
+                                                      kv_len)
         return _Dispatched(out=out, owners=[r if r in live else None for r in owners])
 
     def _process(self, step: _Dispatched) -> None:
+        if self._spec is not None:
+            self._process_round(step)
+            return
         tokens, finish = jax.device_get((step.out.token, step.out.finish))
         for r in step.owners:
             if r is not None:
@@ -720,6 +771,37 @@ class LLM:
             if token >= 0:
                 self._on_token(r, token, code)
         self._sweep_slots()
+
+    def _process_round(self, step: _Dispatched) -> None:
+        """A speculative round's tokens: each row's emitted tokens go through `_on_token` in
+        order, the earlier ones RUNNING and the last with the round's finish code; once the
+        request ends (a stop string, a cancel) the rest of its tokens are dropped."""
+        out = jax.device_get(step.out)
+        for r in step.owners:
+            if r is not None:
+                r.in_flight -= 1
+        for slot, r in enumerate(step.owners):
+            if r is None or r.lifecycle.is_terminal or r.slot != slot:
+                continue  # the duplicate guard: the request ended after this round was sent
+            if r.lifecycle.observe_cancel():  # L4: the in-flight result is discarded
+                self._end_cancelled(r)
+                continue
+            self._spec.count(r, out, slot)
+            count = int(out.count[slot])
+            for i in range(count):
+                code = int(out.finish[slot]) if i == count - 1 else RUNNING
+                self._on_token(r, int(out.tokens[slot, i]), code)
+                if r.lifecycle.is_terminal:
+                    break
+        self._sweep_slots()
+
+    def speculative_stats(self) -> dict:
+        """Acceptance counters over every processed speculative round: proposed, accepted,
+        target_tokens, iterations, mean_accepted_length (tokens per round). ValueError when the
+        engine is not speculative."""
+        if self._spec is None:
+            raise ValueError("speculative: this engine was built without speculative=")
+        return self._spec.stats()
 
     def _sweep_slots(self) -> None:
         now = time.monotonic()

@@ -1,5 +1,10 @@
 """Speculative decoding on device (SPEC §10): a draft proposes k tokens, the target verifies them
-in one forward pass of k + 1 positions, and the whole generation is one `lax.while_loop`.
+in one forward pass of k + 1 positions.
+
+One loop body, two drivers: `spec_round` is one verify round over a `SpecState` (a pure
+function); `speculative_generate` runs it inside one `lax.while_loop` (the whole generation is
+one dispatch), and the engine (`jd.LLM(..., speculative=...)`, jaxdecode/speculative_engine.py)
+runs one jitted round per engine step over its slots.
 
 Draft kinds
 -----------
