@@ -212,3 +212,32 @@ def test_engine_speculative_bad_options_name_the_field(s4):
     with jd.LLM(model, {}, s4, max_slots=2, max_len=64) as llm:
         with pytest.raises(ValueError, match="^speculative"):
             llm.speculative_stats()
+
+
+@pytest.mark.parametrize("kind", ["draft", LOOKUP])
+def test_engine_speculative_grammar_greedy_equals_plain_engine(tok, models_, kind):
+    """The grammar state rides in the slot state and rolls back with the caches."""
+    pytest.importorskip("outlines_core")
+    import re
+
+    (tm, tp), (dm, dp) = models_
+    regex = {"type": "regex", "pattern": "(ab|x)+[12]"}
+    choice = {"type": "choice", "choices": ["abc", "xy", "hello world"]}
+    params = [greedy(12, response_format=regex), greedy(10), greedy(12, response_format=choice),
+              greedy(12, response_format=regex, ignore_eos=True)]
+    prompts = [[5, 6, 7], [30, 31], [9, 9, 9, 9], [40, 41]]
+    with jd.LLM(tm, tp, tok, max_slots=2, max_len=128) as llm:
+        want = run_staggered(llm, prompts, params)
+    option = {"draft": (dm, dp) if kind == "draft" else LOOKUP, "k": 3}
+    with jd.LLM(tm, tp, tok, max_slots=2, max_len=128, speculative=option) as llm:
+        got = run_staggered(llm, prompts, params)
+        sampled = llm.generate([[5, 6]], jd.SamplingParams(n=4, seed=3, max_tokens=12,
+                                                          response_format=regex))
+    assert jd.FinishReason.GRAMMAR_COMPLETE in [c.finish_reason for c in want]
+    for w, g in zip(want, got):
+        assert (g.token_ids, g.text, g.finish_reason) == (w.token_ids, w.text, w.finish_reason)
+    for c in sampled:
+        if c.finish_reason == jd.FinishReason.GRAMMAR_COMPLETE:
+            assert re.fullmatch(regex["pattern"], c.text), c.text
+        else:
+            assert re.fullmatch("(ab|x|a)*", c.text), c.text
