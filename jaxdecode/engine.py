@@ -219,6 +219,7 @@ class LLM:
             if mesh is not None:
                 raise ValueError("speculative: not supported together with mesh yet")
             self._spec = speculative_engine.SpeculativeRunner(config, model, params)
+        self._slot_ops = slots if self._spec is None else speculative_engine  # insert, set_flags
         self._hashes: dict = {}
         self.error: Optional[str] = None  # the last engine failure (health)
         self._cond = threading.Condition()
@@ -331,7 +332,8 @@ class LLM:
     def warmup(self, max_prompt_len: int = 64) -> int:
         """Compile every shape the engine can meet for prompts up to `max_prompt_len`: prefill
         for each admission batch (powers of two up to max_slots) and prompt bucket, the slot
-        scatter, and the decode step for each attention bucket. Returns the compilations."""
+        scatter, and the decode step (with `speculative=`: the speculative round) for each
+        attention bucket. Returns the compilations."""
         before = decode.compilation_count()
         if self._spec is not None:
             return self._warmup_speculative(max_prompt_len, before)
@@ -688,8 +690,7 @@ class LLM:
             states = np.full((n,), -1, np.int32)
             states[:len(batch)] = initial
             prefilled = prefilled.replace(grammar_state=jnp.asarray(states))
-        ops = slots if self._spec is None else speculative_engine
-        self._state = ops.insert(self._state, prefilled, targets)
+        self._state = self._slot_ops.insert(self._state, prefilled, targets)
         for r, slot in zip(batch, free):
             self._release[slot] = False
             r.slot, r.dispatched = slot, 0
@@ -731,8 +732,7 @@ class LLM:
                 r.lifecycle.record("backpressure.paused" if now else "backpressure.resumed")
         if self._state is not None and (self._release.any() or paused.any()
                                         or self._paused.any()):
-            ops = slots if self._spec is None else speculative_engine
-            self._state = ops.set_flags(self._state, self._release.copy(), paused)
+            self._state = self._slot_ops.set_flags(self._state, self._release.copy(), paused)
         self._release[:] = False
         self._paused = paused
         if not live:

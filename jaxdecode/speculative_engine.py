@@ -24,7 +24,8 @@ duplicate guard, cancel and deadlines work unchanged; tokens after a stop-string
 dropped. The attention bucket (`kv_len`) of a round bounds L + k of every live row from what the
 host knows: processed tokens plus k + 1 per round in flight. Acceptance counters: engine totals
 (`LLM.speculative_stats()`), per request in `Completion.timings["speculative"]`, and one
-`speculative.round` trace event per round of a request.
+`speculative.round` trace event per round of a request (there, `decode.started`'s step counts
+the row's rounds, not its tokens).
 
 Not supported together: `mesh` (sharded state), `save_request` / `restore_request`.
 """
