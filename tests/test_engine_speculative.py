@@ -89,19 +89,25 @@ def test_engine_speculative_greedy_equals_plain_engine(tok, models_, kind):
         assert stats["accepted"] > 0
 
 
-def test_engine_speculative_X1_sampled_equals_speculative_generate(tok, models_):
+@pytest.mark.parametrize("kind", ["draft", LOOKUP])
+def test_engine_speculative_X1_sampled_equals_speculative_generate(tok, models_, kind):
     (tm, tp), (dm, dp) = models_
+    draft, dparams = ((dm, dp) if kind == "draft" else (LOOKUP, None))
     sp = jd.SamplingParams(temperature=1.0, top_k=40, seed=11, max_tokens=16, ignore_eos=True,
                            utf8_errors="replace")
-    ref = jd.speculative_generate(tm, tp, dm, dp, [[5, 6, 7]], sp, k=3).tokens(0)
+    ref = jd.speculative_generate(tm, tp, draft, dparams, [[5, 6, 7, 5, 6]], sp, k=3).tokens(0)
+    nsp = jd.SamplingParams(n=3, seed=4, max_tokens=8, ignore_eos=True, utf8_errors="replace")
+    nref = jd.speculative_generate(tm, tp, draft, dparams, [[9, 8]], nsp, k=3)
     other = jd.SamplingParams(temperature=0.7, seed=3, max_tokens=20, ignore_eos=True,
                               utf8_errors="replace")
     with jd.LLM(tm, tp, tok, max_slots=3, max_len=128,
-                speculative={"draft": (dm, dp), "k": 3}) as llm:
-        alone = llm.generate([[5, 6, 7]], sp)[0]
-        mixed = llm.generate([[9, 9], [1, 2, 3, 4], [5, 6, 7]], [other, other, sp])
+                speculative={"draft": (dm, dp) if kind == "draft" else LOOKUP, "k": 3}) as llm:
+        alone = llm.generate([[5, 6, 7, 5, 6]], sp)[0]
+        mixed = llm.generate([[9, 9], [1, 2, 3, 4], [5, 6, 7, 5, 6]], [other, other, sp])
+        samples = llm.generate([[9, 8]], nsp)
     assert list(alone.token_ids) == ref
     assert list(mixed[2].token_ids) == ref  # another slot, other neighbours: the same tokens
+    assert [list(c.token_ids) for c in samples] == [nref.tokens(i) for i in range(3)]
 
 
 def test_engine_speculative_S3_stop_string_and_max_tokens_never_overshoot(s4):
