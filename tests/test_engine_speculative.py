@@ -159,6 +159,20 @@ def test_engine_speculative_C2_cancel_mid_way_frees_the_slot(s4):
     assert len(after.token_ids) == 5
 
 
+def test_engine_speculative_C3_deadline_flushes_held_text(s4):
+    HOOKS["spec_slow"] = lambda positions, lengths: time.sleep(0.01)
+    model = HookedModel.make([0] + [101, 102] * 60, "spec_slow", vocab_size=V, max_len=256,
+                             eos_token_ids=(0,))
+    with jd.LLM(model, {}, s4, max_slots=2, max_len=256,
+                speculative={"draft": LOOKUP, "k": 3}) as llm:
+        llm.generate([[7, 8]], greedy(2))  # compile first: the deadline is for decoding
+        c = llm.generate([[7, 8]], greedy(200, stop=["ABCDX"], deadline_s=0.3))[0]
+    assert c.finish_reason == jd.FinishReason.DEADLINE_EXCEEDED
+    assert 1 < c.usage.selected_tokens < 200
+    assert c.text == ("ABCD" * 100)[: 2 * c.usage.selected_tokens]
+    assert c.usage.returned_tokens == c.usage.selected_tokens
+
+
 def test_engine_speculative_B1_paused_request_resumes_at_the_same_token(s4):
     from tests.test_engine import byte_id
 
@@ -215,9 +229,12 @@ def test_engine_speculative_bad_options_name_the_field(s4):
     for option, field in cases:
         with pytest.raises(ValueError, match=f"^{field}"):
             jd.LLM(model, {}, s4, max_slots=2, max_len=64, speculative=option)
-    with jd.LLM(model, {}, s4, max_slots=2, max_len=64) as llm:
-        with pytest.raises(ValueError, match="^speculative"):
-            llm.speculative_stats()
+    with pytest.raises(ValueError, match="^speculative"):
+        jd.LLM(model, {}, s4, max_slots=2, max_len=64, mesh=object(),
+               speculative={"draft": LOOKUP})
+    with jd.LLM(model, {}, s4, max_slots=2, max_len=64) as llm, \
+            pytest.raises(ValueError, match="^speculative"):
+        llm.speculative_stats()
 
 
 @pytest.mark.parametrize("kind", ["draft", LOOKUP])
