@@ -19,6 +19,9 @@ Usage (SPEC §9): selected = tokens the device chose for the request; processed 
 into the cache while the request went on (`decode.completed`); returned = those whose text was
 returned. With several endings on one token the one that ends the text wins (S9).
 
+Speculative decoding (`speculative=`, SPEC §10): each step is one verify round over all slots
+that emits 1..k+1 tokens per row, fed to the same per-token path (jaxdecode/speculative_engine.py).
+
 Streams without a reader: `generate()` uses the `final_only` kind, so nothing accumulates;
 `submit()` keeps up to `max_buffered` unsent events under the chosen back-pressure policy.
 """
