@@ -11,13 +11,14 @@ from jaxdecode.replay import GenerationRecord, ReplayReport, replay
 from jaxdecode.speculative import SpeculativeOutput, speculative_generate
 from jaxdecode.state import StepState
 from jaxdecode.types import (Completion, DecodingError, ErrorCode, Event, FinishReason,
-                             RequestState, Usage)
+                             RequestState, TokenLogprob, Usage)
 
 __all__ = [
     "Completion", "DecoderModel", "DecodingError", "EngineClosed", "ErrorCode", "Event",
     "FinishReason", "GenerateOutput", "GenerationRecord", "KVCache", "LLM", "ModelConfig",
     "PROCESSOR_ORDER", "QueueFull", "ReplayReport", "RequestHandle", "RequestState",
-    "SamplingParams", "SpeculativeOutput", "StepState", "Usage", "assert_incremental_consistency",
-    "beam_search", "compilation_count", "generate", "process_logits", "replay",
+    "SamplingParams", "SpeculativeOutput", "StepState", "TokenLogprob", "Usage",
+    "assert_incremental_consistency", "beam_search", "compilation_count", "generate",
+    "process_logits", "replay",
     "speculative_generate",
 ]

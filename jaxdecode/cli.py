@@ -8,6 +8,9 @@ together. Only this module of `jaxdecode` imports `models` / `serving`, inside t
         [--api-key KEY] [--on-disconnect cancel|continue] [--max-queue N]
         (the OpenAI-compatible HTTP server of `serving/`)
     jaxdecode bench [--model DIR|demo|CONFIG] [--batch N]... [--compare-hf] [--json FILE]
+    jaxdecode bench --serve [--model DIR|demo | --url URL] [--requests N] [--concurrency C]...
+        [--max-tokens N] [--max-slots N] [--json FILE]
+        (the HTTP load test of `serving.loadtest`: streaming requests against `jaxdecode serve`)
 """
 
 from __future__ import annotations
@@ -114,33 +117,32 @@ def cmd_generate(args) -> int:
 
 
 def _generate_beams(args, model, params, tokenizer, prompt, prompt_ids, sp) -> int:
-    """Beam search on device (`jd.beam_search`): the best hypothesis, or every returned beam
-    with its score under --json. Not streamed (beams are only final at the end)."""
-    from jaxdecode.beam import beam_search
-    from jaxdecode.host import TextPipeline
+    """Beam search through the engine's beam lane (`SamplingParams(num_beams=...)`): the best
+    hypothesis, or every beam with its score under --json. Not streamed (beams are final only
+    at the end); --temperature does not apply (beams rank raw log-probabilities)."""
+    from jaxdecode.decode import bucket
+    from jaxdecode.engine import LLM
 
-    if args.record:
-        raise SystemExit("--record: records cover sampled and greedy generation, not beams")
+    early = {"true": True, "false": False, "never": "never"}[args.early_stopping]
     try:
-        out = beam_search(model, params, [prompt_ids], num_beams=args.num_beams,
-                          max_new_tokens=sp.max_tokens, num_return_sequences=args.num_beams)
+        sp = dataclasses.replace(sp, temperature=0.0, num_beams=args.num_beams, n=args.num_beams,
+                                 length_penalty=args.length_penalty, early_stopping=early)
+        max_len = min(model.config.max_len, bucket(len(prompt_ids) + sp.max_tokens + 1))
+        with LLM(model, params, tokenizer, max_slots=1, max_len=max_len,
+                 model_source=args.model) as llm:
+            done = llm.generate(prompt, sp)
     except ValueError as e:
         raise SystemExit(f"--{str(e).split(':')[0].replace('_', '-')}: {e}")
-    eos = set(model.config.eos_token_ids)
-
-    def text(ids):
-        pipe = TextPipeline(tokenizer, prompt_ids=prompt_ids, stop=sp.stop, errors="replace")
-        shown = "".join(pipe.push(t).text for t in ids if t not in eos and not pipe.done)
-        return shown + pipe.finish("eos").text
-
-    beams = [{"text": text(ids), "token_ids": list(ids), "score": float(score)}
-             for ids, score in out.beams[0]]
+    if args.record:
+        done[0].record.save(args.record)
+    beams = [{"text": c.text, "token_ids": list(c.token_ids), "score": c.score,
+              "finish_reason": c.finish_reason and c.finish_reason.value} for c in done]
     if args.json:
-        print(json.dumps({"beams": beams,
-                          "finish_reason": out.finish_reasons[0].value}, ensure_ascii=False))
+        print(json.dumps({"beams": beams, "finish_reason": beams[0]["finish_reason"]},
+                         ensure_ascii=False))
     else:
         print(prompt + beams[0]["text"])
-    return 0
+    return 0 if all(c.error is None for c in done) else 1
 
 
 def cmd_replay(args) -> int:
@@ -214,7 +216,30 @@ def cmd_serve(args) -> int:
     return server.main(args)
 
 
+def _check_bench_mode(args) -> None:
+    """`bench` and `bench --serve` take different flags: one of the other mode's is an error
+    naming it, never silently ignored."""
+    from serving.loadtest import add_arguments
+
+    probe = argparse.ArgumentParser(add_help=False)
+    add_arguments(probe)
+    load_flags = set(vars(probe.parse_args([])))
+    defaults = vars(build_parser().parse_args(["bench"]))
+    bench_flags = set(defaults) - load_flags - {"command", "func", "model", "json", "serve"}
+    bad = sorted(n for n in (bench_flags if args.serve else load_flags)
+                 if getattr(args, n) != defaults[n])
+    if bad:
+        flags = ", ".join("--" + n.replace("_", "-") for n in bad)
+        raise SystemExit(f"{flags}: not used by the HTTP load test (bench --serve)" if args.serve
+                         else f"{flags}: load-test flags; add --serve")
+
+
 def cmd_bench(args) -> int:
+    _check_bench_mode(args)
+    if args.serve:
+        from serving import loadtest
+
+        return loadtest.main(args)
     import sysconfig
     import tempfile
 
@@ -255,22 +280,25 @@ def cmd_bench(args) -> int:
             lengths = (128, 256) if args.quick else (128, 256, 512, 1024, 2048)
             report["ttft"] = bench.ttft(model, params, lengths, hf, args.hf_threads,
                                         repeats=cfg.repeats)
+        if args.report or args.speculative:
             report["beam"] = bench.time_beam_search(model, params, cfg, num_beams=4)
     text = [bench.format_table(report)]
-    if args.report and not args.quick:
+    if (args.report and not args.quick) or args.speculative:
         import models
         from models.demo import DEMO_DIR
 
         target, target_params, tokenizer = models.demo()
         draft = (models.demo("draft")
                  if os.path.exists(os.path.join(DEMO_DIR, "draft.safetensors")) else None)
-        ids = [tokenizer.encode("def fibonacci(n):\n    ").ids]
+        ids = [tokenizer.encode(bench.CODE_EDIT_PROMPT).ids]
         report["speculative"] = bench.time_speculative(
             target, target_params, *(draft[:2] if draft else (None, None)),
-            cfg=dataclasses.replace(cfg, new_tokens=64), k=4, prompt_ids=ids)
+            cfg=dataclasses.replace(cfg, new_tokens=96, repeats=max(cfg.repeats, 5)),
+            prompt_ids=ids)
+        text.append(bench.format_search(report["beam"], report["speculative"]))
+    if args.report and not args.quick:
         report["constraints"] = bench.time_constraints(target, target_params, tokenizer)
-        text += [bench.format_search(report["beam"], report["speculative"]),
-                 bench.format_constraints_table(report["constraints"])]
+        text.append(bench.format_constraints_table(report["constraints"]))
     report["model_spec"] = args.model
     if args.host_cost or args.engine:
         # the host pipeline needs a real tokenizer: the checkpoint's, else the demo model's; a
@@ -343,7 +371,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", help="a stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--num-beams", type=int, default=1,
-                   help="beam search with this width (jd.beam_search; printed at the end)")
+                   help="beam search with this width, all beams returned (printed at the end)")
+    g.add_argument("--length-penalty", type=float, default=1.0,
+                   help="beam scores: sum logprob / length ** this (with --num-beams)")
+    g.add_argument("--early-stopping", choices=("true", "false", "never"), default="false",
+                   help="when a beam search ends, with HF's meaning (with --num-beams)")
     g.add_argument("--no-stream", action="store_true", help="print the text once at the end")
     g.add_argument("--json", action="store_true", help="print one JSON object with text and usage")
     g.add_argument("--record", help="write the generation record (SPEC §11) to this JSON file")
@@ -373,11 +405,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also time the host pipeline per token against HF DecodeStream")
     b.add_argument("--engine", action="store_true",
                    help="also time the engine with streaming against the raw jitted loop")
+    b.add_argument("--speculative", action="store_true",
+                   help="also beam search (width 4 vs greedy) and speculative decoding on the "
+                        "demo model and its draft (k = 2, 4, 6 and prompt lookup, T = 0, a "
+                        "code-editing prompt) against plain decoding")
     b.add_argument("--json", help="write the report as JSON")
     b.add_argument("--report", metavar="DIR",
                    help="every section (HF side by side, time to first token, host cost, "
                         "engine): report.json, report.md and PNG plots in DIR")
     b.add_argument("--quick", action="store_true", help="a smoke run in well under 2 minutes")
+    b.add_argument("--serve", action="store_true",
+                   help="instead: the HTTP load test (serving/loadtest.py) -- streaming requests "
+                        "against `jaxdecode serve` at several concurrency levels")
+    _add_loadtest_arguments(b.add_argument_group("load test (with --serve)"))
     b.set_defaults(func=cmd_bench)
     return parser
 
@@ -385,6 +425,13 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_serve_arguments(p) -> None:
     # the flags live next to the server; importing serving.server is cheap (no FastAPI import)
     from serving.server import add_arguments
+
+    add_arguments(p)
+
+
+def _add_loadtest_arguments(p) -> None:
+    # serving.loadtest imports only the standard library at module level
+    from serving.loadtest import add_arguments
 
     add_arguments(p)
 

@@ -3,6 +3,15 @@
 Every invalid value raises `ValueError` whose message starts with the field name, so the HTTP
 layer can report `param`. Settings are plain host data; `jaxdecode.state.RowParams` turns a
 batch of them into per-row device arrays, so new values never recompile.
+
+Beam search (SPEC §10, HF `generate` names): `num_beams > 1` makes the engine run the request
+by `jd.beam_search` (jaxdecode/beam_lane.py) with `length_penalty` and `early_stopping`
+(True / False / "never"); `n` is the number of beams returned (HF's `num_return_sequences`, the
+`n` of vLLM's beam search), at most `num_beams`. Beam search ranks raw log-probabilities (HF
+with `do_sample=False`), so a beam request takes no sampling processor: temperature must be 0
+or 1 (either means "none"), and top_k, top_p, min_p, the penalties, logit_bias,
+banned_token_ids and logprobs must keep their defaults. With `num_beams == 1` the two beam
+fields are unused (HF ignores them too).
 """
 
 from __future__ import annotations
@@ -14,6 +23,7 @@ from typing import Any, Optional, Union
 from jaxdecode.constraints.formats import validate_response_format
 
 OUTPUT_KINDS = ("delta", "cumulative", "final_only")
+MAX_LOGPROBS = 20  # the most top log-probabilities a request may ask for per token
 UTF8_ERRORS = ("strict", "replace")
 
 StopTokenIds = tuple[Union[int, tuple[int, ...]], ...]
@@ -54,6 +64,9 @@ class SamplingParams:
     deadline_s: Optional[float] = None
     output_kind: str = "delta"
     response_format: Optional[dict] = None
+    num_beams: int = 1
+    length_penalty: float = 1.0
+    early_stopping: Union[bool, str] = False
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
@@ -82,8 +95,8 @@ class SamplingParams:
             _fail("min_tokens", f"must be >= 0, got {self.min_tokens}")
         if self.min_tokens > self.max_tokens:
             _fail("min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
-        if not 0 <= self.logprobs <= 20:
-            _fail("logprobs", f"must be in [0, 20], got {self.logprobs}")
+        if not 0 <= self.logprobs <= MAX_LOGPROBS:
+            _fail("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if self.n < 1:
             _fail("n", f"must be >= 1, got {self.n}")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
@@ -102,6 +115,32 @@ class SamplingParams:
         set_("logit_bias", self._normalise_bias(self.logit_bias))
         # shape only (cheap, no tokenizer); compiled at submission (jaxdecode/constraints)
         set_("response_format", validate_response_format(self.response_format))
+        self._check_beams()
+
+    def _check_beams(self) -> None:
+        """The beam-search fields (module docstring): values, and no sampling processor."""
+        if not _is_int(self.num_beams) or self.num_beams < 1:
+            _fail("num_beams", f"must be an integer >= 1, got {self.num_beams!r}")
+        lp = self.length_penalty
+        if isinstance(lp, bool) or not isinstance(lp, (int, float)) or not math.isfinite(lp):
+            _fail("length_penalty", f"must be a finite number, got {lp!r}")
+        object.__setattr__(self, "length_penalty", float(lp))
+        if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
+            _fail("early_stopping", f"must be True, False or 'never', got {self.early_stopping!r}")
+        if self.num_beams == 1:
+            return
+        if self.n > self.num_beams:
+            _fail("n", f"the number of returned beams must be <= num_beams ({self.num_beams}), "
+                  f"got {self.n}")
+        if self.temperature not in (0.0, 1.0):
+            _fail("temperature", f"beam search ranks raw log-probabilities; use 0 or 1 (no "
+                  f"temperature) with num_beams > 1, got {self.temperature}")
+        defaults = SamplingParams()
+        for name in ("top_k", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
+                     "presence_penalty", "logit_bias", "banned_token_ids", "logprobs"):
+            if getattr(self, name) != getattr(defaults, name):
+                _fail(name, f"not available with beam search (num_beams > 1), got "
+                      f"{getattr(self, name)!r}")
 
     @staticmethod
     def _normalise_stop(stop: Any) -> tuple[str, ...]:

@@ -19,11 +19,25 @@ Usage (SPEC §9): selected = tokens the device chose for the request; processed 
 into the cache while the request went on (`decode.completed`); returned = those whose text was
 returned. With several endings on one token the one that ends the text wins (S9).
 
+Log-probabilities (`SamplingParams.logprobs` = N > 0): every selected token's raw log-probability
+and top N are kept with the request (`TokenLogprob`). The step computes a static top
+`MAX_LOGPROBS` (the largest N allowed; `LLM.logprobs_k`, capped by the vocabulary) whenever some
+live row asked, else none, so new values of N never recompile; only then are they fetched.
+Reported are exactly the returned tokens (`usage.returned_tokens`; those hidden by a stop string,
+a stop id or EOS are not), in order: each delta event carries, in `data["logprobs"]`, the
+entries of the tokens that became returned since the previous delta (a token is returned once
+its text begins inside the returned text), the final delta also those that showed no text;
+`Completion.logprobs` holds them all.
+
 Speculative decoding (`speculative=`, SPEC §10): each step is one verify round over all slots
 that emits 1..k+1 tokens per row, fed to the same per-token path (jaxdecode/speculative_engine.py).
 
 Streams without a reader: `generate()` uses the `final_only` kind, so nothing accumulates;
 `submit()` keeps up to `max_buffered` unsent events under the chosen back-pressure policy.
+
+Beam search (`SamplingParams.num_beams > 1`, SPEC §10) runs in the beam lane
+(jaxdecode/beam_lane.py): at the safe point after the queue sweep the engine thread takes the
+queued beam requests and runs them as `jd.beam_search` calls; slot rows get no step meanwhile.
 """
 
 from __future__ import annotations
@@ -42,16 +56,16 @@ import numpy as np
 
 import jax.numpy as jnp
 
-from jaxdecode import constraints, decode, slots, speculative_engine
+from jaxdecode import beam_lane, constraints, decode, slots, speculative_engine
 from jaxdecode import replay as replay_lib
 from jaxdecode import request_state
-from jaxdecode.config import SamplingParams
+from jaxdecode.config import MAX_LOGPROBS, SamplingParams
 from jaxdecode.host import Lifecycle, OrderedStream, TextPipeline
 from jaxdecode.model_api import DecoderModel
 from jaxdecode.state import EOS, RUNNING, STOP_TOKEN, RowParams, StepState, seed_key_data
 from jaxdecode.tokenization import encode, eos_token_id
 from jaxdecode.types import (Completion, DecodingError, ErrorCode, FinishReason, RequestState,
-                             Usage)
+                             TokenLogprob, Usage)
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +111,9 @@ class RequestHandle:
             include_stop_in_output=sampling.include_stop_in_output,
             skip_special_tokens=sampling.skip_special_tokens, errors=sampling.utf8_errors)
         self.token_ids: list[int] = []
+        # one TokenLogprob per selected token when the request asked for logprobs, else None
+        self.logprobs: Optional[list[TokenLogprob]] = [] if sampling.logprobs else None
+        self.reported = 0  # logprobs already sent in a delta
         self.selected = 0
         self.processed = 0
         self.dispatched = 0  # steps dispatched while in a slot (one may be ahead of `selected`)
@@ -106,6 +123,8 @@ class RequestHandle:
         self.in_flight = 0         # dispatched steps of this row not yet processed
         self.restored: Optional[dict] = None  # saved arrays, when restored from disk
         self.speculative: Optional[dict] = None  # acceptance counters (speculative engine)
+        self.beam_row: list = [self]  # handles sharing one beam-search row (beam_lane)
+        self.score: Optional[float] = None  # a beam's score (beam_lane)
         self._settled = threading.Event()
         self._engine = engine
         self._done = threading.Event()
@@ -156,6 +175,21 @@ class RequestHandle:
                      processed_tokens=self.processed,
                      returned_tokens=self.pipeline.returned_tokens)
 
+    def take_logprobs(self) -> Optional[tuple[TokenLogprob, ...]]:
+        """The logprobs of the returned tokens not yet sent in a delta (None when not asked)."""
+        if self.logprobs is None:
+            return None
+        end = self.pipeline.returned_tokens
+        new = tuple(self.logprobs[self.reported:end])
+        self.reported = max(self.reported, end)
+        return new
+
+    def returned_logprobs(self) -> Optional[tuple[TokenLogprob, ...]]:
+        """The logprobs of the returned tokens so far (None when not asked)."""
+        if self.logprobs is None:
+            return None
+        return tuple(self.logprobs[:self.pipeline.returned_tokens])
+
     def completion(self) -> Completion:
         term = self.lifecycle.terminal_event
         data = term.data if term is not None else {}
@@ -168,7 +202,7 @@ class RequestHandle:
             usage=self.usage(), events=tuple(self.lifecycle.events),
             record=self._engine._record(self, finish, error),
             prompt_index=self.prompt_index, index=self.index, state=self.lifecycle.state,
-            timings=self._timings())
+            timings=self._timings(), score=self.score, logprobs=self.returned_logprobs())
 
     def _timings(self) -> dict:
         timings = self.lifecycle.timings(self.pipeline).as_dict()
@@ -182,10 +216,12 @@ class RequestHandle:
 
 @dataclasses.dataclass
 class _Dispatched:
-    """A step in flight: its output and which request owned each slot when it was dispatched."""
+    """A step in flight: its output, which request owned each slot when it was dispatched, and
+    its static top-k (0 or LLM.logprobs_k)."""
 
     out: Any
     owners: list
+    top_k: int = 0
 
 
 class LLM:
@@ -211,6 +247,7 @@ class LLM:
             if not eos_token_ids and eos_token_id(tokenizer) is not None:
                 eos_token_ids = (eos_token_id(tokenizer),)
         self.eos_token_ids = tuple(eos_token_ids)
+        self.logprobs_k = min(MAX_LOGPROBS, model.config.vocab_size)  # the step's top-k
         self.model_source = model_source  # where the weights came from ("demo", a directory)
         # a jax.sharding.Mesh: the step state is placed by slots.state_sharding (KV cache per
         # model_api.CACHE_RULES); shard the params with models.shard_params(params, mesh)
@@ -246,6 +283,21 @@ class LLM:
         handle = self._make_handle(prompt, params, request_id)
         self._enqueue([handle], block)
         return handle
+
+    def submit_beams(self, prompt: Prompt, params: SamplingParams, *,
+                     request_id: Optional[str] = None, block: bool = False) -> list:
+        """Queue a beam-search request (num_beams > 1) as its n best beams: one handle per
+        rank sharing one search row (jaxdecode/beam_lane.py), ids `<request_id>-<rank>` when
+        n > 1. Raises like `submit`."""
+        if not isinstance(params, SamplingParams) or params.num_beams == 1:
+            raise ValueError("num_beams: submit_beams() takes SamplingParams with num_beams > 1")
+        rid = request_id or f"req-{next(self._ids)}"
+        handles = [self._make_handle(prompt, params, rid if params.n == 1 else f"{rid}-{j}",
+                                     index=j, output_kind=params.output_kind)
+                   for j in range(params.n)]
+        beam_lane.link_rows(handles)
+        self._enqueue(handles, block)
+        return handles
 
     def _make_handle(self, prompt: Prompt, params: Optional[SamplingParams],
                      request_id: Optional[str] = None, prompt_index: int = 0, index: int = 0,
@@ -304,7 +356,8 @@ class LLM:
                  params: Union[None, SamplingParams, Sequence[SamplingParams]] = None, *,
                  use_tqdm: bool = False) -> list[Completion]:
         """Run prompts to completion: a flat list, len(prompts) * n, each prompt's n samples
-        adjacent (`Completion.prompt_index`, `Completion.index`)."""
+        adjacent (`Completion.prompt_index`, `Completion.index`); with num_beams > 1 the n
+        samples are the prompt's n best beams, by rank."""
         single = isinstance(prompts, str) or (
             isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int))
         prompts = [prompts] if single else list(prompts)
@@ -317,6 +370,7 @@ class LLM:
             per_prompt = [params if params is not None else SamplingParams()] * len(prompts)
         handles = [self._make_handle(p, sp, prompt_index=i, index=j, output_kind="final_only")
                    for i, (p, sp) in enumerate(zip(prompts, per_prompt)) for j in range(sp.n)]
+        beam_lane.link_rows(handles)  # a beam prompt's n handles are its n best beams
         self._enqueue(handles, block=True)  # validated all before queueing any
         bar = None
         if use_tqdm:
@@ -336,7 +390,7 @@ class LLM:
         """Compile every shape the engine can meet for prompts up to `max_prompt_len`: prefill
         for each admission batch (powers of two up to max_slots) and prompt bucket, the slot
         scatter, and the decode step (with `speculative=`: the speculative round) for each
-        attention bucket. Returns the compilations."""
+        attention bucket, with and without logprobs. Returns the compilations."""
         before = decode.compilation_count()
         if self._spec is not None:
             return self._warmup_speculative(max_prompt_len, before)
@@ -359,7 +413,8 @@ class LLM:
         state = slots.set_flags(state, flags, flags)
         kv = min(KV_BUCKET_MIN, self.max_len)
         while True:
-            state, _ = decode.decode_step_jit(self.model, self.params, state, 0, kv)
+            for k in (0, self.logprobs_k):  # the two step variants _dispatch uses
+                state, _ = decode.decode_step_jit(self.model, self.params, state, k, kv)
             if kv >= self.max_len:
                 break
             kv = min(2 * kv, self.max_len)
@@ -373,8 +428,8 @@ class LLM:
         kv_buckets = sorted({min(max(decode.bucket(n), KV_BUCKET_MIN), self.max_len)
                              for n in (1 << i for i in range(self.max_len.bit_length() + 1))})
         state = self._spec.empty_state(self.max_slots, self.max_len, self.eos_token_ids)
-        state = self._spec.warmup(state, batches, t_buckets, kv_buckets, self.max_len,
-                                  self.eos_token_ids)
+        state = self._spec.warmup(state, batches, t_buckets, kv_buckets, (0, self.logprobs_k),
+                                  self.max_len, self.eos_token_ids)
         jax.block_until_ready(state)
         return decode.compilation_count() - before
 
@@ -457,6 +512,8 @@ class LLM:
                 "index": handle.index, "prompt_index": handle.prompt_index,
                 "output_kind": handle.lifecycle.stream.output_kind.value,
                 "token_ids": handle.token_ids, "selected": handle.selected,
+                "logprobs": (None if handle.logprobs is None
+                             else [dataclasses.astuple(e) for e in handle.logprobs]),
                 "processed": handle.processed, "next_seq": handle.lifecycle.stream.next_seq,
                 "model_hash": self.params_hash}
         return str(request_state.save(path, arrays, meta))
@@ -495,6 +552,10 @@ class LLM:
         r.selected, r.processed = meta["selected"], meta["processed"]
         for token in r.token_ids:  # rebuild the detokenizer and stop-matcher state
             r.pipeline.push(token)
+        if r.logprobs is not None:  # the returned tokens' logprobs were sent before the save
+            r.logprobs = [TokenLogprob(i, lp, tuple(map(tuple, top)))
+                          for i, lp, top in meta.get("logprobs") or ()]
+            r.reported = r.pipeline.returned_tokens
         r.lifecycle.stream.continue_numbering(meta["next_seq"])
         r.lifecycle.record("request.restored", selected=r.selected)
         r.restored = arrays
@@ -583,6 +644,7 @@ class LLM:
             try:
                 self._run_jobs()
                 self._sweep_queue()
+                self._run_beams()
                 self._admit()
                 dispatched = self._dispatch()
                 if in_flight is not None:
@@ -639,6 +701,16 @@ class LLM:
         with self._cond:
             self._queue = collections.deque(r for r in self._queue if not r.lifecycle.is_terminal)
             self._cond.notify_all()
+
+    def _run_beams(self) -> None:
+        """The beam lane (jaxdecode/beam_lane.py): every queued beam request runs now."""
+        with self._cond:
+            beams = [r for r in self._queue if beam_lane.is_beam(r)]
+            if not beams:
+                return
+            self._queue = collections.deque(r for r in self._queue if not beam_lane.is_beam(r))
+            self._cond.notify_all()
+        beam_lane.run(self, beams)
 
     def _admit(self) -> None:
         free = [slot for slot, r in enumerate(self._slots) if r is None]
@@ -749,18 +821,23 @@ class LLM:
             r.dispatched += 1
             r.in_flight += 1
             r.lifecycle.record("decode.started", step=r.dispatched)
+        k = self.logprobs_k if any(r.logprobs is not None for r in live) else 0
         if self._spec is not None:
-            self._state, out = self._spec.step(self._state, kv_len)
+            self._state, out = self._spec.step(self._state, kv_len, k)
         else:
-            self._state, out = decode.decode_step_jit(self.model, self.params, self._state, 0,
+            self._state, out = decode.decode_step_jit(self.model, self.params, self._state, k,
                                                       kv_len)
-        return _Dispatched(out=out, owners=[r if r in live else None for r in owners])
+        return _Dispatched(out=out, owners=[r if r in live else None for r in owners], top_k=k)
 
     def _process(self, step: _Dispatched) -> None:
         if self._spec is not None:
             self._process_round(step)
             return
-        tokens, finish = jax.device_get((step.out.token, step.out.finish))
+        out = step.out
+        lp_arrays = (out.logprob, out.top_ids, out.top_logprobs) if step.top_k else ()
+        fetched = jax.device_get((out.token, out.finish) + lp_arrays)  # one transfer
+        tokens, finish = fetched[:2]
+        logprob, top_ids, top_lps = fetched[2:] if step.top_k else (None, None, None)
         for r in step.owners:
             if r is not None:
                 r.in_flight -= 1
@@ -771,15 +848,21 @@ class LLM:
                 self._end_cancelled(r)
                 continue
             token, code = int(tokens[slot]), int(finish[slot])
-            if token >= 0:
-                self._on_token(r, token, code)
+            if token < 0:
+                continue
+            entry = None
+            if r.logprobs is not None:  # then step.top_k > 0: the row was live at dispatch
+                n = r.sampling.logprobs
+                entry = TokenLogprob(token, float(logprob[slot]), tuple(
+                    zip(top_ids[slot, :n].tolist(), top_lps[slot, :n].tolist())))
+            self._on_token(r, token, code, entry)
         self._sweep_slots()
 
     def _process_round(self, step: _Dispatched) -> None:
         """A speculative round's tokens: each row's emitted tokens go through `_on_token` in
         order, the earlier ones RUNNING and the last with the round's finish code; once the
         request ends (a stop string, a cancel) the rest of its tokens are dropped."""
-        out = jax.device_get(step.out)
+        out = jax.device_get(step.out)  # one transfer (the top-k arrays are empty when 0)
         for r in step.owners:
             if r is not None:
                 r.in_flight -= 1
@@ -793,7 +876,13 @@ class LLM:
             count = int(out.count[slot])
             for i in range(count):
                 code = int(out.finish[slot]) if i == count - 1 else RUNNING
-                self._on_token(r, int(out.tokens[slot, i]), code)
+                entry = None
+                if r.logprobs is not None:  # then step.top_k > 0: the row was live at dispatch
+                    n = r.sampling.logprobs
+                    entry = TokenLogprob(int(out.tokens[slot, i]), float(out.logprob[slot, i]),
+                                         tuple(zip(out.top_ids[slot, i, :n].tolist(),
+                                                   out.top_logprobs[slot, i, :n].tolist())))
+                self._on_token(r, int(out.tokens[slot, i]), code, entry)
                 if r.lifecycle.is_terminal:
                     break
         self._sweep_slots()
@@ -818,7 +907,8 @@ class LLM:
             elif r.deadline is not None and now >= r.deadline:
                 self._end(r, FinishReason.DEADLINE_EXCEEDED)
 
-    def _on_token(self, r: RequestHandle, token: int, code: int) -> None:
+    def _on_token(self, r: RequestHandle, token: int, code: int,
+                  entry: Optional[TokenLogprob]) -> None:
         lc = r.lifecycle
         if code in decode.ERRORS:  # NaN logits, every token masked, a grammar dead end (P2):
             self._fail(r, decode.ERRORS[code], decode.ERRORS[code].value)  # nothing selected
@@ -826,6 +916,8 @@ class LLM:
         r.selected += 1
         t = r.selected
         r.token_ids.append(token)
+        if entry is not None:
+            r.logprobs.append(entry)
         lc.record("token.selected", step=t, token=token)
         if code == EOS or (code == STOP_TOKEN and not r.sampling.include_stop_in_output):
             self._end(r, decode.FINISH_REASONS[code])  # never shown (D6, S8)
@@ -835,7 +927,7 @@ class LLM:
         except (DecodingError, ValueError) as exc:
             self._fail(r, ErrorCode.DECODING_ERROR, str(exc))
             return
-        lc.emit_delta(pushed.text)
+        lc.emit_delta(pushed.text, r.take_logprobs())
         if pushed.hit is not None:
             lc.record("stop.hit", stop=pushed.hit.stop, index=pushed.hit.index)
             self._end(r, FinishReason.STOP_SEQUENCE)
@@ -857,7 +949,7 @@ class LLM:
         except DecodingError as exc:
             self._fail(r, ErrorCode.DECODING_ERROR, str(exc))
             return
-        lc.emit_delta(final.text)
+        lc.emit_delta(final.text, r.take_logprobs())
         if final.hit is not None and reason is not FinishReason.STOP_SEQUENCE:
             lc.record("stop.hit", stop=final.hit.stop, index=final.hit.index)
         lc.complete(final.finish_reason, usage=r.usage())

@@ -184,7 +184,9 @@ class RoundOutput:
     finish:   int32[B] the finish code of the last emitted token (RUNNING: the row goes on);
               every earlier token of the round is RUNNING
     accepted: int32[B] how many of them are accepted draft tokens (the rest come from the target)
-    logprob:  f32[B, K] the raw target log-probability of each emitted token
+    logprob:  f32[B, K] the raw target log-probability of each emitted token (before processors)
+    top_ids, top_logprobs: int32/f32[B, K, N] the N most likely ids on the same raw scale at each
+              position (N = `spec_round`'s top_logprobs, may be 0)
     """
 
     tokens: Array
@@ -192,11 +194,13 @@ class RoundOutput:
     finish: Array
     accepted: Array
     logprob: Array
+    top_ids: Array
+    top_logprobs: Array
 
 
 def spec_round(target: DecoderModel, tparams: Any, draft: Optional[DecoderModel], dparams: Any,
-               k: int, ngrams: tuple, s: SpecState,
-               kv_len: Optional[int] = None) -> tuple[SpecState, RoundOutput]:
+               k: int, ngrams: tuple, s: SpecState, kv_len: Optional[int] = None,
+               top_logprobs: int = 0) -> tuple[SpecState, RoundOutput]:
     """One verify round over every live row (the module docstring's algorithm): propose k
     tokens (the draft model, or prompt lookup when `draft` is None), verify them in one target
     forward of k + 1 positions, emit 1..k+1 tokens per row, roll back caches and grammar state.
@@ -204,7 +208,8 @@ def spec_round(target: DecoderModel, tparams: Any, draft: Optional[DecoderModel]
     The body of `speculative_generate`'s `lax.while_loop` and, jitted, one engine step
     (`jaxdecode.speculative_engine`): one loop body, two drivers. `kv_len` (static) bounds
     attention to the first kv_len cache positions, as in `decode.decode_step`; the caller
-    guarantees every live row's L + k stays below it."""
+    guarantees every live row's L + k stays below it. `top_logprobs` (static): how many raw
+    top log-probabilities to report per position."""
     rows = s.rows
     b, v = s.counts.shape
     greedy = rows.temperature == 0
@@ -346,7 +351,8 @@ def spec_round(target: DecoderModel, tparams: Any, draft: Optional[DecoderModel]
     h = s.hist.shape[1]
     where_to = jnp.where(emitted, length[:, None] + i0, h)
     hist = s.hist.at[jnp.arange(b)[:, None], where_to].set(emit, mode="drop")
-    raw = jnp.take_along_axis(jax.nn.log_softmax(tlogits, -1), emit[:, :, None], 2)[..., 0]
+    raw_all = jax.nn.log_softmax(tlogits, -1)
+    raw = jnp.take_along_axis(raw_all, emit[:, :, None], 2)[..., 0]
     lpbuf = s.lpbuf.at[jnp.arange(b)[:, None], where_to].set(raw, mode="drop")
     add = jnp.sum(jax.nn.one_hot(emit, v, dtype=jnp.int32) * emitted[:, :, None], 1)
     new_length = length + n_emit
@@ -366,8 +372,10 @@ def spec_round(target: DecoderModel, tparams: Any, draft: Optional[DecoderModel]
         dlen = jnp.where(lag, length + k - 1, new_length - 1)
         out = out.replace(dcache=dcache.replace(lengths=jnp.where(live, dlen, s.dcache.lengths)),
                           lag=jnp.where(live, lag, s.lag))
+    top_lp, top_ids = jax.lax.top_k(raw_all, top_logprobs)
     report = RoundOutput(tokens=jnp.where(emitted, emit, -1), count=n_emit, finish=finish,
-                         accepted=accepted, logprob=raw)
+                         accepted=accepted, logprob=raw, top_ids=top_ids.astype(jnp.int32),
+                         top_logprobs=top_lp)
     return out, report
 
 

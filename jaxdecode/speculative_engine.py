@@ -185,13 +185,15 @@ def set_flags(state: SpecState, release: jax.Array, paused: jax.Array) -> SpecSt
     return state.replace(done=state.done | release, paused=paused)
 
 
-def _round_shared_tables(target, tparams, draft, dparams, k, ngrams, state, kv_len, tables):
+def _round_shared_tables(target, tparams, draft, dparams, k, ngrams, state, kv_len, top_k,
+                         tables):
     state, out = spec_round(target, tparams, draft, dparams, k, ngrams,
-                            state.replace(grammar=tables), kv_len)
+                            state.replace(grammar=tables), kv_len, top_k)
     return state.replace(grammar=None), out
 
 
-_round_jit = jax.jit(_round_shared_tables, static_argnums=(0, 2, 4, 5, 7), donate_argnums=(6,))
+_round_jit = jax.jit(_round_shared_tables, static_argnums=(0, 2, 4, 5, 7, 8),
+                     donate_argnums=(6,))
 
 
 # -- host side -----------------------------------------------------------------------------------
@@ -219,12 +221,14 @@ class SpeculativeRunner:
         return _prefill(self.target, self.params, cfg.draft, cfg.draft_params, tokens, lengths,
                         max_len, rows)
 
-    def step(self, state: SpecState, kv_len: int) -> tuple[SpecState, RoundOutput]:
-        """One round over every slot, the state donated (the grammar tables kept)."""
+    def step(self, state: SpecState, kv_len: int,
+             top_k: int = 0) -> tuple[SpecState, RoundOutput]:
+        """One round over every slot, the state donated (the grammar tables kept); `top_k`
+        raw top log-probabilities per emitted position (0 or the engine's logprobs_k)."""
         cfg = self.config
         tables = state.grammar
         state, out = _round_jit(self.target, self.params, cfg.draft, cfg.draft_params, cfg.k,
-                                cfg.ngrams, state.replace(grammar=None), kv_len, tables)
+                                cfg.ngrams, state.replace(grammar=None), kv_len, top_k, tables)
         return state.replace(grammar=tables), out
 
     def kv_needed(self, r: Any) -> int:
@@ -256,9 +260,10 @@ class SpeculativeRunner:
         return out
 
     def warmup(self, state: SpecState, batches: Sequence[int], t_buckets: Sequence[int],
-               kv_buckets: Sequence[int], max_len: int, eos_token_ids: Sequence[int]) -> SpecState:
+               kv_buckets: Sequence[int], top_ks: Sequence[int], max_len: int,
+               eos_token_ids: Sequence[int]) -> SpecState:
         """Compile prefill + insert for each admission batch and prompt bucket, the flags, and
-        the round for each attention bucket."""
+        the round for each attention bucket and top-k."""
         slots = state.length.shape[0]
         for n in batches:
             rows = RowParams.build([SamplingParams()] * n, self.target.config.vocab_size,
@@ -270,5 +275,6 @@ class SpeculativeRunner:
         flags = np.zeros((slots,), bool)
         state = set_flags(state, flags, flags)
         for kv in kv_buckets:
-            state, _ = self.step(state, kv)
+            for top_k in top_ks:
+                state, _ = self.step(state, kv, top_k)
         return state

@@ -74,12 +74,33 @@ class Event:
 
 
 @dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+    """The log-probabilities of one returned output token (`Completion.logprobs`).
+
+    `logprob` is the raw model log-probability of `token_id`: the log-softmax of the logits
+    before any processor (penalties, bias, masks, temperature, truncation), as OpenAI and vLLM
+    report it. `top` holds the request's `SamplingParams.logprobs` most likely ids as
+    `(token_id, logprob)` pairs on the same raw scale, most likely first (ties: lower id first);
+    the selected token appears in it only when it is among them.
+    """
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
 class Completion:
     """One finished request of the engine (DESIGN.md `jd.Completion`).
 
     `events` is the request's full trace (lifecycle, token.selected, decode.completed, deltas,
     the terminal event, resources.released); `prompt_index` / `index` place it among the
     prompts and the n samples of `LLM.generate`. `error` is the ErrorCode of a failed request.
+    `logprobs` is None unless `SamplingParams.logprobs` > 0; then it holds one `TokenLogprob`
+    per returned token (`usage.returned_tokens` of them; entry i belongs to `token_ids[i]`):
+    tokens hidden by a stop string, a stop id or EOS are not reported.
+    A beam-search request (`num_beams > 1`) has `index` = the beam's rank and `score` = its HF
+    score, sum logprob / (generated length incl. EOS) ** length_penalty; None otherwise.
     """
 
     request_id: str
@@ -94,3 +115,5 @@ class Completion:
     index: int = 0
     state: Optional[RequestState] = None
     timings: Optional[dict] = None
+    logprobs: Optional[tuple[TokenLogprob, ...]] = None
+    score: Optional[float] = None

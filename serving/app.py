@@ -9,9 +9,11 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/model
 
 Requests: see `serving.protocol` for the fields, defaults, the OpenAI error body and the finish
 reason mapping; `serving.chat` for chat templates. A request with ``n`` > 1 is submitted as n
-engine requests (ids ``<id>-<i>``), choice i sampling with ``seed + i`` when a seed is given.
-``logprobs`` / ``top_logprobs`` (and ``echo``, ``best_of`` != n, ``suffix``, ``tools``) get a 400
-"not supported" instead of a silent null; ``response_format`` goes to the engine, which
+engine requests (ids ``<id>-<i>``), choice i sampling with ``seed + i`` when a seed is given;
+with ``num_beams`` > 1 the n choices are the n best beams of one search (`LLM.submit_beams`).
+``logprobs`` / ``top_logprobs`` are answered in OpenAI's formats (`serving.protocol`), also in
+every streaming chunk that carries tokens; ``echo``, ``best_of`` != n, ``suffix`` and ``tools``
+get a 400 "not supported" instead of a silent no-op; ``response_format`` goes to the engine, which
 enforces it inside the decode step; a constraint it cannot compile raises
 ValueError("response_format: ...") and becomes a 400 naming ``response_format``.
 
@@ -67,8 +69,8 @@ from serving.logs import log_event
 from serving.metrics import Metrics
 from serving.protocol import (ApiError, ChatCompletionRequest, CompletionRequest, bad_request,
                               check_unsupported, choice_seed, error_from_value_error,
-                              max_tokens_field, openai_finish_reason, parse_request,
-                              sampling_params, MAX_N)
+                              format_logprobs, max_tokens_field, openai_finish_reason,
+                              parse_request, sampling_params, top_logprobs_count, MAX_N)
 from serving.streams import ResponseLog, StreamRegistry
 
 ON_DISCONNECT = ("cancel", "continue")
@@ -166,6 +168,7 @@ class _Tracked:
     t0: float
     transport_error: bool = False
     finished: bool = False
+    top_logprobs: Optional[int] = None  # top entries shown per token; None: no logprobs
 
 
 class Server:
@@ -192,6 +195,26 @@ class Server:
         self.fingerprint = f"jaxdecode-{getattr(llm, 'model_snapshot', '')}"
         self.created = int(time.time())
         self._background: set = set()
+        self._token_texts: dict[int, str] = {}
+
+    def token_text(self, token_id: int) -> str:
+        """The tokenizer's decode of one id (special tokens shown), cached."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self.llm.tokenizer.decode([token_id], skip_special_tokens=False)
+            self._token_texts[token_id] = text
+        return text
+
+    def logprobs_object(self, h: Any, entries: Optional[tuple], first: int, chat: bool,
+                        tracked: _Tracked) -> Optional[dict]:
+        """A choice's OpenAI logprobs for `entries`, the returned tokens `first`, `first + 1`,
+        ... of engine request `h`; None when the request did not ask for logprobs."""
+        if tracked.top_logprobs is None or entries is None:
+            return None
+        offsets = () if chat else [h.pipeline.token_offset(first + j)
+                                   for j in range(len(entries))]
+        return format_logprobs(entries, tracked.top_logprobs, self.token_text, chat=chat,
+                               offsets=offsets)
 
     # -- helpers ----------------------------------------------------------------------------------
 
@@ -313,10 +336,15 @@ class Server:
                 ids = encode(llm.tokenizer, prompt) if isinstance(prompt, str) else list(prompt)
             handles = []
             try:
-                for i in range(n):
-                    sp_i = sp if n == 1 else dataclasses.replace(sp, seed=choice_seed(sp.seed, i))
-                    rid = request_id if n == 1 else f"{request_id}-{i}"
-                    handles.append(llm.submit(ids, sp_i, request_id=rid))
+                if sp.num_beams > 1:  # one search, its n best beams as the n choices
+                    handles = llm.submit_beams(ids, dataclasses.replace(sp, n=n),
+                                               request_id=request_id)
+                else:
+                    for i in range(n):
+                        sp_i = sp if n == 1 else dataclasses.replace(
+                            sp, seed=choice_seed(sp.seed, i))
+                        rid = request_id if n == 1 else f"{request_id}-{i}"
+                        handles.append(llm.submit(ids, sp_i, request_id=rid))
             except BaseException:
                 for h in handles:
                     h.cancel()
@@ -350,7 +378,8 @@ class Server:
         if self.log_prompts:
             fields["prompt"] = ([m.model_dump() for m in req.messages] if chat else req.prompt)
         log_event("request.received", **fields)
-        tracked = _Tracked(request_id, endpoint, handles, stream, t0)
+        tracked = _Tracked(request_id, endpoint, handles, stream, t0,
+                           top_logprobs=top_logprobs_count(req, chat))
         if stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             log = ResponseLog(request_id, handles, chat=chat, include_usage=include_usage,
@@ -436,12 +465,15 @@ class Server:
         return {"finish_reason": reason, "jaxdecode_finish_reason": label, "stop_reason": stop}
 
     def _final_choice(self, h: Any, i: int, chat: bool, tracked: _Tracked, text: str) -> dict:
+        logprobs = self.logprobs_object(h, h.returned_logprobs(), 0, chat, tracked)
         if chat:
             choice = {"index": i, "message": {"role": "assistant", "content": text},
-                      "logprobs": None}
+                      "logprobs": logprobs}
         else:
-            choice = {"index": i, "text": text, "logprobs": None}
+            choice = {"index": i, "text": text, "logprobs": logprobs}
         choice.update(self._finish_fields(h, tracked))
+        if h.score is not None:  # extension: a beam's HF score (SPEC §10)
+            choice["score"] = h.score
         return choice
 
     # -- streaming --------------------------------------------------------------------------------
@@ -466,11 +498,14 @@ class Server:
             return self._chunk(log, choice)
         if ev.kind == "delta":
             text = ev.data.get("text", "")
+            entries = ev.data.get("logprobs")
+            logprobs = self.logprobs_object(h, entries, log.logprobs_sent[i], log.chat, tracked)
+            log.logprobs_sent[i] += len(entries or ())
             if log.chat:
-                choice = {"index": i, "delta": {"content": text}, "logprobs": None,
+                choice = {"index": i, "delta": {"content": text}, "logprobs": logprobs,
                           "finish_reason": None}
             else:
-                choice = {"index": i, "text": text, "logprobs": None, "finish_reason": None}
+                choice = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": None}
             return self._chunk(log, choice)
         if ev.kind == "failed":
             code = ErrorCode(ev.data["error"]) if ev.data.get("error") else ErrorCode.MODEL_ERROR

@@ -19,17 +19,32 @@ SPEC §9 reason):
     deadline_exceeded                           -> "length"  (a budget ran out, like length)
     content_interrupted                         -> "content_filter"
     cancelled, transport_error                  -> "abort"   (vLLM's value; not in OpenAI's enum)
+
+Log-probabilities (`top_logprobs_count`, `format_logprobs`): ``/v1/completions`` takes
+``logprobs: 0..20`` (OpenAI allows 5) and answers OpenAI's legacy object
+``{"tokens", "token_logprobs", "top_logprobs": [{text: logprob}], "text_offset"}``, where each
+top dict holds the N most likely tokens plus the chosen one (so N + 1 entries at most, as OpenAI
+says; ids that decode to the same text keep the chosen one's, else the likeliest), most likely
+first, and ``text_offset`` is each token's character offset in the choice's text.
+``/v1/chat/completions`` takes ``logprobs: true`` and ``top_logprobs: 0..20`` (``top_logprobs``
+> 0 without ``logprobs: true`` is a 400) and answers ``{"content": [{"token", "logprob",
+"bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}]}``. A token's text is the
+tokenizer's decode of that one id (special tokens included), ``bytes`` its UTF-8 bytes; values
+are the raw model log-probabilities (before temperature and the other processors), clamped
+to >= -9999.0 so JSON never sees -inf. The engine is asked for max(N, 1) top entries (it
+reports nothing for 0); the response shows N. Streaming chunks carry the same object for
+the tokens of their delta (see `jaxdecode.engine` for which tokens those are).
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from jaxdecode.config import SamplingParams
-from jaxdecode.types import FinishReason
+from jaxdecode.config import MAX_LOGPROBS, SamplingParams
+from jaxdecode.types import FinishReason, TokenLogprob
 
 OPENAI_FINISH = {
     FinishReason.EOS: "stop",
@@ -45,6 +60,7 @@ OPENAI_FINISH = {
 }
 
 MAX_N = 128
+MIN_LOGPROB = -9999.0
 
 
 def openai_finish_reason(reason: Any) -> str:
@@ -105,6 +121,10 @@ class _Common(_Model):
     min_tokens: Optional[int] = None
     ignore_eos: Optional[bool] = None
     include_stop_str_in_output: Optional[bool] = None
+    # extensions (HF generate names): beam search, never streamed
+    num_beams: Optional[int] = None
+    length_penalty: Optional[float] = None
+    early_stopping: Optional[Union[bool, str]] = None
 
 
 class CompletionRequest(_Common):
@@ -205,28 +225,42 @@ def _unsupported(param: str, what: str) -> ApiError:
 
 
 def check_unsupported(req: _Common, *, chat: bool, max_n: int) -> None:
-    """Fields jaxdecode accepts but cannot honour yet get a 400 instead of a silent no-op."""
+    """Fields jaxdecode accepts but cannot honour yet get a 400 instead of a silent no-op; so
+    do `n` and the logprobs fields out of range, and chat `top_logprobs` without `logprobs`."""
     n = 1 if req.n is None else req.n
     if not 1 <= n <= max_n:
         raise bad_request(f"n: must be in [1, {max_n}], got {n}", "n")
+    if req.stream and (req.num_beams or 1) > 1:
+        raise _unsupported("stream", "beam search (num_beams > 1) returns final results only; "
+                           "send stream: false")
     if chat:
-        if req.logprobs:
-            raise _unsupported("logprobs", "log-probabilities are not returned yet")
-        if req.top_logprobs:
-            raise _unsupported("top_logprobs", "log-probabilities are not returned yet")
+        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+            raise bad_request(f"top_logprobs: must be in [0, {MAX_LOGPROBS}], got "
+                              f"{req.top_logprobs}", "top_logprobs")
+        if req.top_logprobs and not req.logprobs:
+            raise bad_request("top_logprobs: needs logprobs set to true", "top_logprobs")
         if req.tools:
             raise _unsupported("tools", "tool calling is not supported")
         if req.tool_choice not in (None, "none"):
             raise _unsupported("tool_choice", "tool calling is not supported")
     else:
-        if req.logprobs:
-            raise _unsupported("logprobs", "log-probabilities are not returned yet")
+        if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
+            raise bad_request(f"logprobs: must be in [0, {MAX_LOGPROBS}], got {req.logprobs}",
+                              "logprobs")
         if req.echo:
             raise _unsupported("echo", "echoing the prompt is not supported")
         if req.best_of is not None and req.best_of != n:
             raise _unsupported("best_of", "best_of is not supported (use n)")
         if req.suffix:
             raise _unsupported("suffix", "suffix (insertion) is not supported")
+
+
+def top_logprobs_count(req: _Common, chat: bool) -> Optional[int]:
+    """How many top entries each token's logprobs show, or None when logprobs were not asked
+    (after `check_unsupported`)."""
+    if chat:
+        return (req.top_logprobs or 0) if req.logprobs else None
+    return req.logprobs
 
 
 def max_tokens_field(req: _Common, chat: bool) -> tuple[Optional[int], str]:
@@ -243,8 +277,11 @@ def sampling_params(req: _Common, *, chat: bool, stream: bool, default_max_token
     remaining context for chat (the engine clamps max_tokens to max_len - prompt length).
     `top_k: -1` means disabled (vLLM's convention) like 0. Text is decoded with
     `utf8_errors="replace"` (U+FFFD, as vLLM), so a model's invalid bytes never fail a request.
+    `num_beams`, `length_penalty`, `early_stopping` (extensions, HF names) ask for beam search;
+    then `n` is the number of beams returned (the server sets it; see `LLM.submit_beams`).
     """
     max_tokens, mt_name = max_tokens_field(req, chat)
+    shown = top_logprobs_count(req, chat)
     top_k = req.top_k
     if top_k == -1:
         top_k = 0
@@ -263,10 +300,14 @@ def sampling_params(req: _Common, *, chat: bool, stream: bool, default_max_token
         include_stop_in_output=bool(req.include_stop_str_in_output),
         ignore_eos=bool(req.ignore_eos),
         seed=req.seed,
+        logprobs=0 if shown is None else max(shown, 1),
         n=1,
         utf8_errors="replace",
         output_kind="delta" if stream else "final_only",
         response_format=req.response_format,
+        num_beams=1 if req.num_beams is None else req.num_beams,
+        length_penalty=1.0 if req.length_penalty is None else req.length_penalty,
+        early_stopping=False if req.early_stopping is None else req.early_stopping,
     )
     try:
         return SamplingParams(**kwargs)
@@ -279,3 +320,31 @@ def choice_seed(seed: Optional[int], index: int) -> Optional[int]:
     if seed is None:
         return None
     return (seed + index) % (1 << 63)
+
+
+def _lp(value: float) -> float:
+    return value if value >= MIN_LOGPROB else MIN_LOGPROB  # -inf and NaN too
+
+
+def format_logprobs(entries: Sequence[TokenLogprob], top_n: int, token_text: Callable[[int], str],
+                    *, chat: bool, offsets: Sequence[int] = ()) -> dict:
+    """The OpenAI logprobs object of `entries` (see the module docstring): `top_n` top entries
+    per token, `token_text(id)` its text; `offsets` (completions only): each token's character
+    offset in the choice's text."""
+    if chat:
+        def item(token_id: int, logprob: float) -> dict:
+            text = token_text(token_id)
+            return {"token": text, "logprob": _lp(logprob), "bytes": list(text.encode())}
+
+        return {"content": [dict(item(e.token_id, e.logprob),
+                                 top_logprobs=[item(i, lp) for i, lp in e.top[:top_n]])
+                            for e in entries]}
+    tops = []
+    for e in entries:
+        top: dict[str, float] = {}
+        for i, lp in ((e.token_id, e.logprob), *e.top[:top_n]):
+            top.setdefault(token_text(i), _lp(lp))  # ids with the same text: the first wins
+        tops.append(dict(sorted(top.items(), key=lambda kv: -kv[1])))
+    return {"tokens": [token_text(e.token_id) for e in entries],
+            "token_logprobs": [_lp(e.logprob) for e in entries],
+            "top_logprobs": tops, "text_offset": list(offsets)}

@@ -24,13 +24,19 @@ def test_cli_generate_json_and_stop_string():
     assert result["finish_reason"] in ("stop_sequence", "max_output_tokens", "eos")
 
 
-def test_cli_generate_beams_are_sorted_by_score():
+def test_cli_generate_beams_are_sorted_by_score_and_replay(tmp_path):
+    record = str(tmp_path / "beam.json")
     out = cli("generate", "--prompt", "import os", "--num-beams", "3", "--max-tokens", "12",
-              "--json")
+              "--length-penalty", "0.5", "--json", "--record", record)
     assert out.returncode == 0, out.stderr
     beams = json.loads(out.stdout)["beams"]
     assert len(beams) == 3
     assert [b["score"] for b in beams] == sorted((b["score"] for b in beams), reverse=True)
+    with open(record) as f:
+        sampling = json.load(f)["sampling"]
+    assert sampling["num_beams"] == 3 and sampling["length_penalty"] == 0.5
+    again = cli("replay", record)
+    assert again.returncode == 0, again.stdout + again.stderr
 
 
 def test_cli_bad_flag_value_names_the_field():

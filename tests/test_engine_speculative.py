@@ -264,3 +264,25 @@ def test_engine_speculative_grammar_greedy_equals_plain_engine(tok, models_, kin
             assert re.fullmatch(regex["pattern"], c.text), c.text
         else:
             assert re.fullmatch("(ab|x|a)*", c.text), c.text
+
+
+def test_engine_speculative_logprobs_equal_plain_engine(tok, models_):
+    """Each emitted token of a round carries its raw logprob and top N, as a plain step's."""
+    (tm, tp), (dm, dp) = models_
+    params = [greedy(12, logprobs=3, ignore_eos=True), greedy(9),
+              greedy(10, logprobs=1, stop=["e"])]
+    prompts = [[5, 6, 7, 5, 6], [30, 31], [9, 9]]
+    with jd.LLM(tm, tp, tok, max_slots=3, max_len=128) as llm:
+        want = llm.generate(prompts, params)
+    with jd.LLM(tm, tp, tok, max_slots=3, max_len=128,
+                speculative={"draft": (dm, dp), "k": 3}) as llm:
+        got = llm.generate(prompts, params)
+    assert got[1].logprobs is None
+    for w, g in ((want[0], got[0]), (want[2], got[2])):
+        assert g.token_ids == w.token_ids and len(g.logprobs) == len(w.logprobs)
+        for a, b in zip(g.logprobs, w.logprobs):
+            assert a.token_id == b.token_id
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+            assert [i for i, _ in a.top] == [i for i, _ in b.top]
+            np.testing.assert_allclose([lp for _, lp in a.top], [lp for _, lp in b.top],
+                                       atol=1e-4)

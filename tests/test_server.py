@@ -234,6 +234,42 @@ def test_stream_T1_sse_ids_strictly_increase_and_done_is_last(client, server):
     assert engine_events[-1].kind == "completed"
 
 
+def test_logprobs_completions_and_chat_formats(client):
+    """OpenAI's two logprobs objects, exact on the scripted model (peak 40: the chosen token has
+    logprob ~0, every other -40, ties ranked by id)."""
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 5,
+                                             "temperature": 0, "logprobs": 2})
+    lp = r.json()["choices"][0]["logprobs"]
+    assert lp["tokens"] == list("ello ") and lp["text_offset"] == [0, 1, 2, 3, 4]
+    assert all(-1e-3 < x <= 0 for x in lp["token_logprobs"])
+    for token, top in zip(lp["tokens"], lp["top_logprobs"]):
+        assert len(top) == 2 and top[token] == max(top.values())
+        assert sorted(top.values()) == [pytest.approx(-40.0, abs=1e-3), top[token]]
+
+    r = client.post("/v1/chat/completions", json={"model": MODEL, "messages": MSG,
+                                                  "max_tokens": 4, "logprobs": True})
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    want = expected(len(CHAT_HI), 4)
+    assert [c["token"] for c in content] == list(want)
+    assert [c["bytes"] for c in content] == [list(ch.encode()) for ch in want]
+    assert all(c["top_logprobs"] == [] and c["logprob"] <= 0 for c in content)
+
+    r, events = stream_all(client, "/v1/chat/completions", {
+        "model": MODEL, "messages": MSG, "max_tokens": 6, "stream": True, "logprobs": True,
+        "top_logprobs": 3})
+    chunks = chunks_of(events)
+    entries = [e for ch in chunks if ch["choices"] and ch["choices"][0]["logprobs"]
+               for e in ch["choices"][0]["logprobs"]["content"]]
+    assert "".join(e["token"] for e in entries) == expected(len(CHAT_HI), 6)
+    for e in entries:
+        tops = [t["logprob"] for t in e["top_logprobs"]]
+        assert len(tops) == 3 and tops == sorted(tops, reverse=True)
+        assert e["top_logprobs"][0]["token"] == e["token"]
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
+    assert r.json()["choices"][0]["logprobs"] is None
+
+
+
 def test_stream_include_usage_one_final_chunk(client):
     _, events = stream_all(client, "/v1/chat/completions",
                            {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
@@ -366,9 +402,19 @@ BAD = [
     ("/v1/completions", {"prompt": "Hi", "response_format": {
         "type": "json_schema", "json_schema": {"schema": 3}}}, "response_format"),
     ("/v1/completions", {"prompt": "Hi", "response_format": {"type": "nope"}}, "response_format"),
-    ("/v1/completions", {"prompt": "Hi", "logprobs": 2}, "logprobs"),
+    ("/v1/completions", {"prompt": "Hi", "logprobs": 21}, "logprobs"),
+    ("/v1/completions", {"prompt": "Hi", "logprobs": -1}, "logprobs"),
+    ("/v1/completions", {"prompt": "Hi", "logprobs": True}, "logprobs"),
     ("/v1/completions", {"prompt": "Hi", "echo": True}, "echo"),
     ("/v1/completions", {"prompt": "Hi", "stream": "yes"}, "stream"),
+    ("/v1/completions", {"prompt": "Hi", "num_beams": 2, "stream": True}, "stream"),
+    ("/v1/completions", {"prompt": "Hi", "num_beams": 0}, "num_beams"),
+    ("/v1/completions", {"prompt": "Hi", "num_beams": 2, "n": 3}, "n"),
+    ("/v1/completions", {"prompt": "Hi", "num_beams": 2, "early_stopping": "soon"},
+     "early_stopping"),
+    ("/v1/completions", {"prompt": "Hi", "num_beams": 2, "length_penalty": "x"},
+     "length_penalty"),
+    ("/v1/completions", {"prompt": "Hi", "num_beams": 2, "temperature": 0.5}, "temperature"),
     ("/v1/completions", {"prompt": ""}, "prompt"),
     ("/v1/completions", {"prompt": [999]}, "prompt"),
     ("/v1/completions", {"prompt": ["a", "b"]}, "prompt"),
@@ -383,8 +429,10 @@ BAD = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a" * 300}]}, "messages"),
     ("/v1/chat/completions", {"messages": MSG, "max_completion_tokens": 0},
      "max_completion_tokens"),
-    ("/v1/chat/completions", {"messages": MSG, "logprobs": True}, "logprobs"),
+    ("/v1/chat/completions", {"messages": MSG, "logprobs": 1}, "logprobs"),
     ("/v1/chat/completions", {"messages": MSG, "top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": MSG, "logprobs": True, "top_logprobs": 21},
+     "top_logprobs"),
     ("/v1/chat/completions", {"messages": MSG, "tools": [{"type": "function"}]}, "tools"),
     ("/v1/chat/completions", {"messages": MSG, "stream_options": {"include_usage": 1}},
      "stream_options.include_usage"),
@@ -412,6 +460,22 @@ def test_bad_fields_get_400_with_the_openai_error_body_naming_param(client):
     r = client.get("/v1/nothing")
     assert r.status_code == 404 and "error" in r.json()
     assert metric(client, "jaxdecode_requests_rejected_total", reason="invalid_value") > 0
+
+
+def test_beam_search_S10_extension_fields_give_the_n_best_beams(client):
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 6, "num_beams": 3, "n": 2,
+            "length_penalty": 0.5, "early_stopping": "never"}
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1]
+    assert choices[0]["text"] == expected(5, 6)  # the script's path is the best beam
+    assert choices[1]["text"] != choices[0]["text"]
+    assert choices[0]["score"] >= choices[1]["score"]
+    assert r.json()["usage"]["completion_tokens"] == 12
+    plain = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hello",
+                                                 "max_tokens": 2})
+    assert "score" not in plain.json()["choices"][0]
 
 
 def test_auth_401_without_the_key_and_health_open(server):

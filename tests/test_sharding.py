@@ -37,7 +37,9 @@ SCRIPT = textwrap.dedent(r"""
                                utf8_errors="replace")
     sampled = jd.SamplingParams(max_tokens=8, temperature=1.0, seed=3, ignore_eos=True,
                                 utf8_errors="replace")
-    reqs = [greedy, sampled, greedy, sampled]
+    with_logprobs = jd.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True,
+                                      utf8_errors="replace", logprobs=2)  # the top-k step
+    reqs = [with_logprobs, sampled, greedy, sampled]
 
     def spec(x):
         if not hasattr(x.sharding, "spec"):
@@ -46,7 +48,9 @@ SCRIPT = textwrap.dedent(r"""
 
     def engine(p, mesh):
         with jd.LLM(model, p, tok, max_slots=4, max_len=64, mesh=mesh) as llm:
-            outs = [list(o.token_ids) for o in llm.generate(prompts, reqs)]
+            done = llm.generate(prompts, reqs)
+            outs = [list(o.token_ids) for o in done]
+            assert [e.token_id for e in done[0].logprobs] == outs[0]
             st = llm._state
             return outs, {"k": spec(st.cache.k), "lengths": spec(st.cache.lengths),
                           "last_token": spec(st.last_token)}

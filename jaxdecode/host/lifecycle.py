@@ -43,7 +43,7 @@ import logging
 import threading
 import time
 from types import MappingProxyType
-from typing import Any, Callable, Dict, FrozenSet, Iterator, List, Mapping, Optional
+from typing import Any, Callable, Dict, FrozenSet, Iterator, List, Mapping, Optional, Sequence
 
 from jaxdecode.types import ErrorCode, Event, FinishReason, RequestState, Usage
 
@@ -356,10 +356,11 @@ class Lifecycle:
         self.trace.append(ev)
         return ev
 
-    def emit_delta(self, text: str) -> Optional[Event]:
-        """Append a text delta unless the request is terminal (L3) or its cancel was observed
-        (L4: the result of a step still in flight is discarded). None when nothing was sent."""
-        if not text:
+    def emit_delta(self, text: str, logprobs: Optional[Sequence[Any]] = None) -> Optional[Event]:
+        """Append a text delta (with its tokens' `logprobs`, see `OrderedStream.emit`) unless
+        the request is terminal (L3) or its cancel was observed (L4: the result of a step still
+        in flight is discarded). None when nothing was sent."""
+        if not text and not logprobs:
             return None
         with self._lock:
             if self._state in TERMINAL_STATES or self._state is S.CANCEL_REQUESTED:
@@ -368,8 +369,10 @@ class Lifecycle:
             if not self._started:
                 self._emit_start_locked(None, {})
             if self.stream is not None:
-                return self.stream.emit(text)
-            ev = Event("delta", self.request_id, self._seq, {"text": text}, self.clock())
+                return self.stream.emit(text, logprobs)
+            data = {"text": text} if logprobs is None else {"text": text,
+                                                            "logprobs": tuple(logprobs)}
+            ev = Event("delta", self.request_id, self._seq, data, self.clock())
             self._seq += 1
             self.trace.append(ev)
             return ev

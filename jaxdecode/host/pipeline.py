@@ -140,6 +140,11 @@ class TextPipeline:
             return self._returned_tokens
         return bisect.bisect_left(self._starts, self._returned_chars)
 
+    def token_offset(self, index: int) -> int:
+        """The character offset in the output text at which the text of pushed id `index`
+        begins (for a returned token: its offset in the returned text)."""
+        return self._starts[index]
+
     # ---- feeding ----------------------------------------------------------------------------
     def push(self, token_id: int) -> PushResult:
         """Feed one selected id; returns the newly safe text and the stop hit, if any."""

@@ -20,6 +20,10 @@ event: ``completed`` (finish_reason, usage) / ``cancelled`` (finish_reason="canc
   ``final_only``: no delta until the end, then one delta with the whole text right before the
   terminal event (so concatenating delta texts gives the output in every kind except
   cumulative).
+- Log-probabilities: a delta emitted with ``logprobs`` (the request asked for them) carries
+  them in ``data["logprobs"]`` -- the entries of this delta's new tokens, in every kind;
+  ``final_only`` gathers them into its one delta. Such a delta is sent even when its text is
+  empty (tokens that showed no text, e.g. skipped special tokens, at the end).
 - T7: `Timings` records queue, prefill, decode, stop-buffer wait and send times separately; the
   stream measures ``send_s`` (time from append to hand-over to the reader).
 
@@ -48,7 +52,7 @@ import dataclasses
 import enum
 import threading
 import time
-from typing import Any, Callable, Deque, Iterator, List, Optional
+from typing import Any, Callable, Deque, Iterator, List, Optional, Sequence
 
 from jaxdecode.types import ErrorCode, Event, FinishReason, Usage
 
@@ -141,6 +145,7 @@ class OrderedStream:
         self._lost = 0
         self._dropped_after_terminal = 0
         self._parts: List[str] = []  # text so far (cumulative / final_only)
+        self._final_logprobs: Optional[list] = None  # logprobs kept for the end (final_only)
         self._text_len = 0
         self._listeners: List[Callable[[], None]] = []
         self._reader_closed = False
@@ -164,13 +169,14 @@ class OrderedStream:
         self._notify()
         return ev
 
-    def emit(self, text: str) -> Optional[Event]:
-        """Append a delta; returns the event, or None when nothing was appended.
+    def emit(self, text: str, logprobs: Optional[Sequence[Any]] = None) -> Optional[Event]:
+        """Append a delta (with its tokens' `logprobs` when the request asked for them);
+        returns the event, or None when nothing was appended.
 
-        Empty text, final_only (text kept for the end), after the terminal event (L3/T3) and
-        after an overflow all return None.
+        Empty text without logprobs, final_only (kept for the end), after the terminal event
+        (L3/T3) and after an overflow all return None.
         """
-        if not text:
+        if not text and not logprobs:
             return None
         with self._cond:
             if self._terminal is not None:
@@ -182,9 +188,12 @@ class OrderedStream:
             if not self._started:
                 self._append_locked("start", {"model_snapshot": None})
             kind = self.output_kind
+            extra = {} if logprobs is None else {"logprobs": tuple(logprobs)}
             if kind is OutputKind.FINAL_ONLY:
                 self._parts.append(text)
                 self._text_len += len(text)
+                if logprobs is not None:
+                    self._final_logprobs = (self._final_logprobs or []) + list(logprobs)
                 return None
             unsent = self._next_seq - 1 - self._cursor
             cap = self.max_buffered
@@ -199,9 +208,9 @@ class OrderedStream:
                 self._parts.append(text)
                 full = "".join(self._parts)
                 self._parts = [full]
-                data = {"text": full, "delta": text}
+                data = {"text": full, "delta": text, **extra}
             else:
-                data = {"text": text}
+                data = {"text": text, **extra}
             ev = self._append_locked("delta", data)
         self._notify()
         return ev
@@ -234,9 +243,12 @@ class OrderedStream:
                 }
             if kind == "cancelled":
                 data.setdefault("finish_reason", FinishReason.CANCELLED)
-            if self.output_kind is OutputKind.FINAL_ONLY and self._parts:
-                self._append_locked("delta", {"text": "".join(self._parts)})
-                self._parts = []
+            if self.output_kind is OutputKind.FINAL_ONLY and (self._parts
+                                                              or self._final_logprobs):
+                extra = ({} if self._final_logprobs is None
+                         else {"logprobs": tuple(self._final_logprobs)})
+                self._append_locked("delta", {"text": "".join(self._parts), **extra})
+                self._parts, self._final_logprobs = [], None
             ev = self._append_locked(kind, data)
             self._terminal = ev
         self._notify()

@@ -1,0 +1,211 @@
+"""A real `jaxdecode serve` process on the demo model, driven by the official `openai` client:
+logprobs (completions and chat, plain and streamed), n = 2, 32 concurrent streams, and a stream
+closed mid-way (its request is cancelled and counted as transport_error, SPEC T5).
+
+One server for the module (started once, SIGINT at the end: it must exit 0); small max_tokens
+keep the module fast.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPT = "def add(a, b):"
+CHAT = [{"role": "user", "content": "Write a function that adds two numbers."}]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _up(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def _metric(url: str, name: str, **labels) -> float:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    pat = re.escape(name) + (r"\{" + re.escape(want) + r"\}" if labels else "") + r" (\S+)"
+    m = re.search(r"^" + pat + "$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+@pytest.fixture(scope="module")
+def url(tmp_path_factory):
+    if not (ROOT / "models" / "demo" / "main.safetensors").exists():
+        pytest.skip("demo weights are not present")
+    port = _free_port()
+    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    log = tmp_path_factory.mktemp("serve") / "server.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "jaxdecode.cli", "serve", "--model", "demo", "--port",
+             str(port), "--max-slots", "8", "--max-len", "256", "--log-level", "warning"],
+            cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while not _up(base):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        yield base
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, log.read_text()[-4000:]
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def _check_chat_entries(content, top_n: int) -> None:
+    for e in content:
+        assert e.logprob <= 0 and e.bytes == list(e.token.encode())
+        tops = [t.logprob for t in e.top_logprobs]
+        assert len(tops) == top_n and tops == sorted(tops, reverse=True)
+        assert all(t <= 0 for t in tops)
+        # temperature 0: the chosen token is the most likely one
+        assert e.top_logprobs[0].token == e.token
+        assert e.top_logprobs[0].logprob == pytest.approx(e.logprob, abs=1e-4)
+
+
+def test_completions_logprobs(client):
+    r = client.completions.create(model="demo", prompt=PROMPT, max_tokens=6, temperature=0,
+                                  logprobs=3)
+    choice = r.choices[0]
+    lp = choice.logprobs
+    n = len(lp.tokens)
+    assert 0 < n <= r.usage.completion_tokens
+    assert len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    assert all(x <= 0 for x in lp.token_logprobs)
+    for token, x, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert token in top and top[token] == pytest.approx(x)
+        assert top[token] == max(top.values()) and 1 <= len(top) <= 4
+        assert list(top.values()) == sorted(top.values(), reverse=True)
+
+    streamed = client.completions.create(model="demo", prompt=PROMPT, max_tokens=6,
+                                         temperature=0, logprobs=3, stream=True)
+    tokens, text = [], ""
+    for chunk in streamed:
+        c = chunk.choices[0]
+        text += c.text
+        if c.logprobs is not None:
+            tokens += c.logprobs.tokens
+    assert text == choice.text and tokens == lp.tokens
+
+
+def test_chat_logprobs_plain_and_streamed(client):
+    r = client.chat.completions.create(model="demo", messages=CHAT, max_tokens=6,
+                                       temperature=0, logprobs=True, top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert 0 < len(content) <= r.usage.completion_tokens
+    _check_chat_entries(content, 2)
+
+    stream = client.chat.completions.create(model="demo", messages=CHAT, max_tokens=6,
+                                            temperature=0, logprobs=True, top_logprobs=2,
+                                            stream=True)
+    entries, finish = [], None
+    for chunk in stream:
+        c = chunk.choices[0]
+        if c.logprobs is not None:
+            entries += c.logprobs.content
+        finish = c.finish_reason or finish
+    _check_chat_entries(entries, 2)
+    assert [e.token for e in entries] == [e.token for e in content]
+    assert finish in ("length", "stop")
+
+    plain = client.chat.completions.create(model="demo", messages=CHAT, max_tokens=3)
+    assert plain.choices[0].logprobs is None
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="demo", messages=CHAT, max_tokens=3,
+                                       top_logprobs=2)
+    assert err.value.param == "top_logprobs"
+
+
+def test_n2_gives_two_choices_each_with_its_logprobs(client):
+    r = client.completions.create(model="demo", prompt=PROMPT, max_tokens=4, n=2, seed=1,
+                                  temperature=0.8, logprobs=1)
+    assert sorted(c.index for c in r.choices) == [0, 1]
+    assert all(c.finish_reason in ("length", "stop") for c in r.choices)
+    assert all(0 < len(c.logprobs.tokens) <= 4 for c in r.choices)
+
+    stream = client.chat.completions.create(model="demo", messages=CHAT, max_tokens=4, n=2,
+                                            seed=1, stream=True, logprobs=True)
+    entries, finishes = {0: [], 1: []}, {}
+    for chunk in stream:
+        for c in chunk.choices:
+            if c.logprobs is not None:
+                entries[c.index] += c.logprobs.content
+            if c.finish_reason:
+                finishes[c.index] = c.finish_reason
+    assert sorted(finishes) == [0, 1]
+    assert all(0 < len(e) <= 4 for e in entries.values())
+
+
+def test_32_concurrent_streams_all_finish(url):
+    async def one(ac, i: int):
+        stream = await ac.completions.create(model="demo", prompt=f"{PROMPT} # {i}",
+                                             max_tokens=8, temperature=0.7, seed=i,
+                                             stream=True)
+        finish = None
+        async for chunk in stream:
+            if chunk.choices:
+                finish = chunk.choices[0].finish_reason or finish
+        return finish
+
+    async def run():
+        ac = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0,
+                                timeout=120)
+        try:
+            return await asyncio.gather(*(one(ac, i) for i in range(32)))
+        finally:
+            await ac.close()
+
+    finishes = asyncio.run(run())
+    assert len(finishes) == 32 and all(f in ("length", "stop") for f in finishes), finishes
+
+
+def test_closing_a_stream_cancels_its_request(client, url):
+    before = _metric(url, "jaxdecode_requests_total", finish_reason="transport_error")
+    stream = client.completions.create(model="demo", prompt=PROMPT, max_tokens=200,
+                                       temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    for i, _ in enumerate(stream):
+        if i == 2:
+            break
+    stream.close()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        done = _metric(url, "jaxdecode_requests_total", finish_reason="transport_error")
+        if done == before + 1 and _metric(url, "jaxdecode_requests_running") == 0:
+            break
+        time.sleep(0.1)
+    assert _metric(url, "jaxdecode_requests_running") == 0
+    assert _metric(url, "jaxdecode_requests_total",
+                   finish_reason="transport_error") == before + 1
