@@ -32,7 +32,8 @@ Keys (SPEC X1)
 --------------
 The token at output index t (1-based) of a row uses `kt = fold_in(request_key, t)` and then
 `fold_in(kt, 0)` to sample the draft proposal, `fold_in(kt, 1)` for the acceptance uniform and
-`fold_in(kt, 2)` to sample from the residual or bonus distribution. Each output index is
+`fold_in(kt, 2)` to sample from the residual or bonus distribution (draws by inverse CDF,
+one uniform each, as `sampling.py`; skipped when every row is greedy). Each output index is
 decided in exactly one iteration; proposals for later indices that a rejection discards never
 influence an emitted token, so reusing their keys afterwards keeps the streams independent.
 The stream depends only on the seed and the output index, never on the batch slot.
@@ -68,7 +69,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jaxdecode import constraints, decode, processors
+from jaxdecode import constraints, decode, processors, sampling
 from jaxdecode.config import SamplingParams
 from jaxdecode.decode import ERRORS, FAILED_CODES, FINISH_REASONS, GenerateOutput, bucket
 from jaxdecode.model_api import DecoderModel
@@ -98,9 +99,27 @@ def _keys(rows: RowParams, t: Array, purpose: int) -> Array:
     return jax.vmap(lambda k: jax.random.fold_in(k, purpose))(kt)
 
 
-def _select(logprobs: Array, rows: RowParams, keys: Array) -> Array:
-    sampled = jax.vmap(jax.random.categorical)(keys, logprobs)
-    return jnp.where(rows.temperature == 0, jnp.argmax(logprobs, -1), sampled).astype(jnp.int32)
+def _select(logprobs: Array, rows: RowParams, t: Array, purpose: int) -> Array:
+    """The argmax for greedy rows, else one inverse-CDF draw with the key of (t, purpose).
+    The keys and the draw are skipped at run time when every row is greedy."""
+    greedy = jnp.argmax(logprobs, axis=-1).astype(jnp.int32)
+
+    def sample(_):
+        drawn = jax.vmap(sampling.inverse_cdf)(_keys(rows, t, purpose), logprobs)
+        return jnp.where(rows.temperature == 0, greedy, drawn.astype(jnp.int32))
+
+    return jax.lax.cond(jnp.all(rows.temperature == 0), lambda _: greedy, sample, None)
+
+
+def _accept_uniforms(rows: RowParams, t_idx: Array) -> Array:
+    """u f32[B, k] for the acceptance tests at output indices t_idx int32[B, k]; zeros, with no
+    key derived, when every row is greedy (greedy rows compare with the argmax instead)."""
+    def draw(_):
+        keys = jax.vmap(lambda t: _keys(rows, t, ACCEPT), in_axes=1, out_axes=1)(t_idx)
+        return jax.vmap(jax.vmap(jax.random.uniform))(keys)
+
+    return jax.lax.cond(jnp.all(rows.temperature == 0),
+                        lambda _: jnp.zeros(t_idx.shape, jnp.float32), draw, None)
 
 
 def _rowwise(mask: Array, token: Array) -> Array:
@@ -244,7 +263,7 @@ def spec_round(target: DecoderModel, tparams: Any, draft: Optional[DecoderModel]
         def sample(logit, counts, seen, g, i):
             # the draft proposes under the grammar mask, with its own copy of the state
             lq = process_one(logit.astype(jnp.float32), counts, seen, step + i - 1, g)
-            d = _select(lq, rows, _keys(rows, step + i, DRAFT))
+            d = _select(lq, rows, step + i, DRAFT)
             g = constraints.next_state(gtables, g, d) if constrained else g
             return d, lq, g
 
@@ -300,19 +319,23 @@ def spec_round(target: DecoderModel, tparams: Any, draft: Optional[DecoderModel]
     # accept / reject
     lp_d = jnp.take_along_axis(lp[:, :k], d[:, :, None], 2)[:, :, 0]
     t_idx = step[:, None] + jnp.arange(1, k + 1)[None, :]
-    accept_keys = jax.vmap(lambda t: _keys(rows, t, ACCEPT), in_axes=1, out_axes=1)(t_idx)
-    u = jax.vmap(jax.vmap(jax.random.uniform))(accept_keys)                # [B, k]
+    u = _accept_uniforms(rows, t_idx)                                    # [B, k]
     ratio = jnp.exp(jnp.minimum(lp_d - lq_d, 0.0))
-    ok = jnp.where(greedy[:, None], d == jnp.argmax(lp[:, :k], -1),
-                   (u < ratio) & jnp.isfinite(lq_d))
+    best = jnp.argmax(lp, -1).astype(jnp.int32)                          # [B, k+1]
+    ok = jnp.where(greedy[:, None], d == best[:, :k], (u < ratio) & jnp.isfinite(lq_d))
     j = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)     # accepted, 0..k
 
     # the token at position j + 1: residual (j < k) or bonus (j == k) from the target
-    p_log = jnp.take_along_axis(lp, j[:, None, None], 1)[:, 0]
-    resid = jnp.maximum(jnp.exp(p_log) - q_at(j), 0.0)
-    resid_log = jnp.where(jnp.sum(resid, -1, keepdims=True) > 0, jnp.log(resid), p_log)
-    corr = _select(resid_log, rows, _keys(rows, step + j + 1, RESAMPLE))
-    corr = jnp.where(greedy, jnp.argmax(p_log, -1), corr).astype(jnp.int32)
+    best_j = jnp.take_along_axis(best, j[:, None], 1)[:, 0]
+
+    def resample(_):
+        p_log = jnp.take_along_axis(lp, j[:, None, None], 1)[:, 0]
+        resid = jnp.maximum(jnp.exp(p_log) - q_at(j), 0.0)
+        resid_log = jnp.where(jnp.sum(resid, -1, keepdims=True) > 0, jnp.log(resid), p_log)
+        drawn = jax.vmap(sampling.inverse_cdf)(_keys(rows, step + j + 1, RESAMPLE), resid_log)
+        return jnp.where(greedy, best_j, drawn.astype(jnp.int32))
+
+    corr = jax.lax.cond(jnp.all(greedy), lambda _: best_j, resample, None)
     i0 = jnp.arange(k + 1)[None, :]
     emit = jnp.where(i0 < j[:, None], jnp.pad(d, ((0, 0), (0, 1))), corr[:, None])
 
