@@ -29,6 +29,9 @@ entries of the tokens that became returned since the previous delta (a token is 
 its text begins inside the returned text), the final delta also those that showed no text;
 `Completion.logprobs` holds them all.
 
+Speculative decoding (`speculative=`, SPEC §10): each step is one verify round over all slots
+that emits 1..k+1 tokens per row, fed to the same per-token path (jaxdecode/speculative_engine.py).
+
 Streams without a reader: `generate()` uses the `final_only` kind, so nothing accumulates;
 `submit()` keeps up to `max_buffered` unsent events under the chosen back-pressure policy.
 
@@ -51,7 +54,7 @@ from typing import Any, Iterator, Optional, Sequence, Union
 import jax
 import numpy as np
 
-from jaxdecode import beam_lane, constraints, decode, step_ops
+from jaxdecode import beam_lane, constraints, decode, speculative_engine, step_ops
 from jaxdecode import replay as replay_lib
 from jaxdecode import request_state
 from jaxdecode.config import MAX_LOGPROBS, SamplingParams
@@ -115,6 +118,7 @@ class RequestHandle:
         self.user_paused = False   # pause(): the row skips steps, its state unchanged (B1)
         self.in_flight = 0         # dispatched steps of this row not yet processed
         self.restored: Optional[dict] = None  # saved arrays, when restored from disk
+        self.speculative: Optional[dict] = None  # acceptance counters (speculative engine)
         self.beam_row: list = [self]  # handles sharing one beam-search row (beam_lane)
         self.score: Optional[float] = None  # a beam's score (beam_lane)
         self._settled = threading.Event()
@@ -194,8 +198,13 @@ class RequestHandle:
             usage=self.usage(), events=tuple(self.lifecycle.events),
             record=self._engine._record(self, finish, error),
             prompt_index=self.prompt_index, index=self.index, state=self.lifecycle.state,
-            timings=self.lifecycle.timings(self.pipeline).as_dict(), score=self.score,
-            logprobs=self.returned_logprobs())
+            timings=self._timings(), score=self.score, logprobs=self.returned_logprobs())
+
+    def _timings(self) -> dict:
+        timings = self.lifecycle.timings(self.pipeline).as_dict()
+        if self.speculative is not None:
+            timings["speculative"] = dict(self.speculative)
+        return timings
 
     def __repr__(self) -> str:
         return f"RequestHandle({self.request_id!r}, {self.lifecycle.state.value})"
@@ -218,7 +227,8 @@ class LLM:
                  max_len: int = 2048, eos_token_ids: Optional[Sequence[int]] = None,
                  max_queue: int = 1024, max_buffered: int = 4096, backpressure: str = "buffer",
                  trace: bool = True, model_source: Optional[str] = None,
-                 mesh: Optional[Any] = None, step_hook: Optional[Any] = None):
+                 mesh: Optional[Any] = None, speculative: Optional[dict] = None,
+                 step_hook: Optional[Any] = None):
         if not isinstance(max_slots, int) or max_slots < 1:
             raise ValueError(f"max_slots: must be a positive integer, got {max_slots!r}")
         if not isinstance(max_len, int) or not 2 <= max_len <= model.config.max_len:
@@ -239,12 +249,19 @@ class LLM:
         # a jax.sharding.Mesh: the step state is placed by slots.state_sharding (KV cache per
         # model_api.CACHE_RULES); shard the params with models.shard_params(params, mesh)
         self.mesh = mesh
+        # speculative decoding (SPEC §10): every step is one verify round over all slots
+        self._spec: Optional[speculative_engine.SpeculativeRunner] = None
+        if speculative is not None:
+            config = speculative_engine.SpeculativeConfig.parse(speculative, model, max_len)
+            if mesh is not None:
+                raise ValueError("speculative: not supported together with mesh yet")
+            self._spec = speculative_engine.SpeculativeRunner(config, model, params)
         # every device call is a step_ops.StepOp, given to step_hook.publish(op) before it is
         # applied: serving/distributed.py broadcasts them to the other hosts' followers
         self.step_hook = step_hook
         self._context = step_ops.Context(model, params, max_slots, max_len, self.eos_token_ids,
                                          mesh, replicate_outputs=step_hook is not None,
-                                         tokenizer=tokenizer)
+                                         tokenizer=tokenizer, spec=self._spec)
         self._hashes: dict = {}
         self.error: Optional[str] = None  # the last engine failure (health)
         self._cond = threading.Condition()
@@ -374,9 +391,9 @@ class LLM:
     def warmup(self, max_prompt_len: int = 64) -> int:
         """Compile every shape the engine can meet for prompts up to `max_prompt_len`
         (`step_ops.warmup_shapes`: prefill per admission batch and prompt bucket, the slot
-        scatter, the decode step per attention bucket with and without logprobs). Returns the
-        compilations. With a step hook, call it before the first request (the op must not
-        interleave with the engine thread's)."""
+        scatter, the decode step -- with `speculative=`: the speculative round -- per attention
+        bucket with and without logprobs). Returns the compilations. With a step hook, call it
+        before the first request (the op must not interleave with the engine thread's)."""
         op = step_ops.warmup(max_prompt_len, self.logprobs_k)
         if self.step_hook is not None:
             self.step_hook.publish(op)
@@ -448,6 +465,8 @@ class LLM:
         paused here (`resume()` or `cancel()` it); `restore_request` continues it anywhere."""
         if handle.done or handle.slot is None:
             raise ValueError("request: only a running request (in a slot) can be saved")
+        if self._spec is not None:
+            raise ValueError("speculative: save_request is not supported with speculative=")
         handle.pause()
         if not handle._settled.wait(timeout):
             raise TimeoutError("request: a step of it is still in flight")
@@ -484,6 +503,8 @@ class LLM:
     def restore_request(self, path: str) -> RequestHandle:
         """Continue a request saved by `save_request` (in this or another process): the output
         equals an uninterrupted run's, byte for byte."""
+        if self._spec is not None:
+            raise ValueError("speculative: restore_request is not supported with speculative=")
         arrays, meta = request_state.load(path)
         if meta.get("model_hash") != self.params_hash:
             raise ValueError("path: the saved request was decoded with other weights")
@@ -730,7 +751,10 @@ class LLM:
         self._paused = paused
         if not live:
             return None
-        longest = max(len(r.prompt_ids) + r.dispatched + 1 for r in live)
+        if self._spec is not None:
+            longest = max(self._spec.kv_needed(r) for r in live)
+        else:
+            longest = max(len(r.prompt_ids) + r.dispatched + 1 for r in live)
         kv_len = min(max(decode.bucket(longest), KV_BUCKET_MIN), self.max_len)
         for r in live:
             r.dispatched += 1
@@ -749,6 +773,9 @@ class LLM:
         return out
 
     def _process(self, step: _Dispatched) -> None:
+        if self._spec is not None:
+            self._process_round(step)
+            return
         out = step.out
         lp_arrays = (out.logprob, out.top_ids, out.top_logprobs) if step.top_k else ()
         fetched = jax.device_get((out.token, out.finish) + lp_arrays)  # one transfer
@@ -773,6 +800,43 @@ class LLM:
                     zip(top_ids[slot, :n].tolist(), top_lps[slot, :n].tolist())))
             self._on_token(r, token, code, entry)
         self._sweep_slots()
+
+    def _process_round(self, step: _Dispatched) -> None:
+        """A speculative round's tokens: each row's emitted tokens go through `_on_token` in
+        order, the earlier ones RUNNING and the last with the round's finish code; once the
+        request ends (a stop string, a cancel) the rest of its tokens are dropped."""
+        out = jax.device_get(step.out)  # one transfer (the top-k arrays are empty when 0)
+        for r in step.owners:
+            if r is not None:
+                r.in_flight -= 1
+        for slot, r in enumerate(step.owners):
+            if r is None or r.lifecycle.is_terminal or r.slot != slot:
+                continue  # the duplicate guard: the request ended after this round was sent
+            if r.lifecycle.observe_cancel():  # L4: the in-flight result is discarded
+                self._end_cancelled(r)
+                continue
+            self._spec.count(r, out, slot)
+            count = int(out.count[slot])
+            for i in range(count):
+                code = int(out.finish[slot]) if i == count - 1 else RUNNING
+                entry = None
+                if r.logprobs is not None:  # then step.top_k > 0: the row was live at dispatch
+                    n = r.sampling.logprobs
+                    entry = TokenLogprob(int(out.tokens[slot, i]), float(out.logprob[slot, i]),
+                                         tuple(zip(out.top_ids[slot, i, :n].tolist(),
+                                                   out.top_logprobs[slot, i, :n].tolist())))
+                self._on_token(r, int(out.tokens[slot, i]), code, entry)
+                if r.lifecycle.is_terminal:
+                    break
+        self._sweep_slots()
+
+    def speculative_stats(self) -> dict:
+        """Acceptance counters over every processed speculative round: proposed, accepted,
+        target_tokens, iterations, mean_accepted_length (tokens per round). ValueError when the
+        engine is not speculative."""
+        if self._spec is None:
+            raise ValueError("speculative: this engine was built without speculative=")
+        return self._spec.stats()
 
     def _sweep_slots(self) -> None:
         now = time.monotonic()

@@ -1,5 +1,10 @@
 """Speculative decoding on device (SPEC §10): a draft proposes k tokens, the target verifies them
-in one forward pass of k + 1 positions, and the whole generation is one `lax.while_loop`.
+in one forward pass of k + 1 positions.
+
+One loop body, two drivers: `spec_round` is one verify round over a `SpecState` (a pure
+function); `speculative_generate` runs it inside one `lax.while_loop` (the whole generation is
+one dispatch), and the engine (`jd.LLM(..., speculative=...)`, jaxdecode/speculative_engine.py)
+runs one jitted round per engine step over its slots.
 
 Draft kinds
 -----------
@@ -27,7 +32,8 @@ Keys (SPEC X1)
 --------------
 The token at output index t (1-based) of a row uses `kt = fold_in(request_key, t)` and then
 `fold_in(kt, 0)` to sample the draft proposal, `fold_in(kt, 1)` for the acceptance uniform and
-`fold_in(kt, 2)` to sample from the residual or bonus distribution. Each output index is
+`fold_in(kt, 2)` to sample from the residual or bonus distribution (draws by inverse CDF,
+one uniform each, as `sampling.py`; skipped when every row is greedy). Each output index is
 decided in exactly one iteration; proposals for later indices that a rejection discards never
 influence an emitted token, so reusing their keys afterwards keeps the streams independent.
 The stream depends only on the seed and the output index, never on the batch slot.
@@ -61,8 +67,9 @@ from typing import Any, Optional, Sequence, Union
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
-from jaxdecode import constraints, decode, processors
+from jaxdecode import constraints, decode, processors, sampling
 from jaxdecode.config import SamplingParams
 from jaxdecode.decode import ERRORS, FAILED_CODES, FINISH_REASONS, GenerateOutput, bucket
 from jaxdecode.model_api import DecoderModel
@@ -92,9 +99,27 @@ def _keys(rows: RowParams, t: Array, purpose: int) -> Array:
     return jax.vmap(lambda k: jax.random.fold_in(k, purpose))(kt)
 
 
-def _select(logprobs: Array, rows: RowParams, keys: Array) -> Array:
-    sampled = jax.vmap(jax.random.categorical)(keys, logprobs)
-    return jnp.where(rows.temperature == 0, jnp.argmax(logprobs, -1), sampled).astype(jnp.int32)
+def _select(logprobs: Array, rows: RowParams, t: Array, purpose: int) -> Array:
+    """The argmax for greedy rows, else one inverse-CDF draw with the key of (t, purpose).
+    The keys and the draw are skipped at run time when every row is greedy."""
+    greedy = jnp.argmax(logprobs, axis=-1).astype(jnp.int32)
+
+    def sample(_):
+        drawn = jax.vmap(sampling.inverse_cdf)(_keys(rows, t, purpose), logprobs)
+        return jnp.where(rows.temperature == 0, greedy, drawn.astype(jnp.int32))
+
+    return jax.lax.cond(jnp.all(rows.temperature == 0), lambda _: greedy, sample, None)
+
+
+def _accept_uniforms(rows: RowParams, t_idx: Array) -> Array:
+    """u f32[B, k] for the acceptance tests at output indices t_idx int32[B, k]; zeros, with no
+    key derived, when every row is greedy (greedy rows compare with the argmax instead)."""
+    def draw(_):
+        keys = jax.vmap(lambda t: _keys(rows, t, ACCEPT), in_axes=1, out_axes=1)(t_idx)
+        return jax.vmap(jax.vmap(jax.random.uniform))(keys)
+
+    return jax.lax.cond(jnp.all(rows.temperature == 0),
+                        lambda _: jnp.zeros(t_idx.shape, jnp.float32), draw, None)
 
 
 def _rowwise(mask: Array, token: Array) -> Array:
@@ -123,35 +148,122 @@ def _lookup(hist: Array, length: Array, k: int, ngrams: tuple) -> Array:
     return jnp.take_along_axis(hist, jnp.clip(idx, 0, h - 1), axis=1)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 2, 4, 5))
-def _spec_loop(target, tparams, draft, dparams, k: int, ngrams: tuple, init: dict, gtables):
-    rows: RowParams = init["rows"]
-    b, v = init["counts"].shape
-    greedy = rows.temperature == 0
-    max_len = init["tcache"].max_len
-    constrained = gtables is not None   # static: some row has a response_format
+@struct.dataclass
+class SpecState:
+    """The carry of a speculative round (SPEC §10), B rows, H history width, V vocabulary.
 
-    def process_one(lg, c, s, st, g):
-        return processors.process(lg, rows, c, s, st, (gtables, g) if constrained else None)
+    For s = prompt + output so far (length L) -- the invariant of the module docstring:
+    rows:          RowParams (SPEC P3; `keys` are the per-request base keys, SPEC X1)
+    tcache:        the target's KVCache holding s[:-1] (lengths = L - 1); s[-1] is pending
+    hist:          int32[B, H] s, then garbage
+    lpbuf:         f32[B, H] the raw target log-probability of each output token, where it
+                   sits in `hist`
+    length:        int32[B] L
+    step:          int32[B] output tokens selected so far (the RNG cursor)
+    counts:        int32[B, V] output occurrences (frequency / presence penalties)
+    seen:          bool[B, V] ids in prompt or output (repetition penalty)
+    done:          bool[B] the row has ended (or its slot is empty): a round leaves it as it is
+    paused:        bool[B] the row skips rounds, unchanged (back-pressure, SPEC B1)
+    finish:        int32[B] device finish code (RUNNING while live)
+    proposed, accepted, target_tokens, iterations: int32[B] counters (SpeculativeOutput)
+    dcache:        the draft's KVCache holding s[:-1], or s[:-2] where `lag` (None: lookup)
+    lag:           bool[B] the last round accepted all k proposals, so d_k is not in the draft
+                   cache yet (None: lookup)
+    grammar_state: int32[B] automaton state after s (-1 = unconstrained), or None
+    grammar:       constraints.GrammarTables shared by all rows, or None
+    """
+
+    rows: RowParams
+    tcache: Any
+    hist: Array
+    lpbuf: Array
+    length: Array
+    step: Array
+    counts: Array
+    seen: Array
+    done: Array
+    paused: Array
+    finish: Array
+    proposed: Array
+    accepted: Array
+    target_tokens: Array
+    iterations: Array
+    dcache: Optional[Any] = None
+    lag: Optional[Array] = None
+    grammar_state: Optional[Array] = None
+    grammar: Optional[Any] = None
+
+
+@struct.dataclass
+class RoundOutput:
+    """What one round decided per row, K = k + 1 candidate positions.
+
+    tokens:   int32[B, K] the emitted tokens in order, -1 past `count`
+    count:    int32[B] tokens emitted (1..k+1 for a live row, 0 for a done or paused one)
+    finish:   int32[B] the finish code of the last emitted token (RUNNING: the row goes on);
+              every earlier token of the round is RUNNING
+    accepted: int32[B] how many of them are accepted draft tokens (the rest come from the target)
+    logprob:  f32[B, K] the raw target log-probability of each emitted token (before processors)
+    top_ids, top_logprobs: int32/f32[B, K, N] the N most likely ids on the same raw scale at each
+              position (N = `spec_round`'s top_logprobs, may be 0)
+    """
+
+    tokens: Array
+    count: Array
+    finish: Array
+    accepted: Array
+    logprob: Array
+    top_ids: Array
+    top_logprobs: Array
+
+
+def spec_round(target: DecoderModel, tparams: Any, draft: Optional[DecoderModel], dparams: Any,
+               k: int, ngrams: tuple, s: SpecState, kv_len: Optional[int] = None,
+               top_logprobs: int = 0) -> tuple[SpecState, RoundOutput]:
+    """One verify round over every live row (the module docstring's algorithm): propose k
+    tokens (the draft model, or prompt lookup when `draft` is None), verify them in one target
+    forward of k + 1 positions, emit 1..k+1 tokens per row, roll back caches and grammar state.
+
+    The body of `speculative_generate`'s `lax.while_loop` and, jitted, one engine step
+    (`jaxdecode.speculative_engine`): one loop body, two drivers. `kv_len` (static) bounds
+    attention to the first kv_len cache positions, as in `decode.decode_step`; the caller
+    guarantees every live row's L + k stays below it. `top_logprobs` (static): how many raw
+    top log-probabilities to report per position."""
+    rows = s.rows
+    b, v = s.counts.shape
+    greedy = rows.temperature == 0
+    max_len = s.tcache.max_len
+    gtables = s.grammar
+    constrained = gtables is not None   # static: some row has a response_format
+    live = ~s.done & ~s.paused
+    length, step = s.length, s.step
+
+    def extra(model):
+        return {"kv_len": kv_len} if kv_len is not None and decode.accepts_kv_len(
+            type(model)) else {}
+
+    def process_one(lg, counts, seen, at_step, g):
+        return processors.process(lg, rows, counts, seen, at_step,
+                                  (gtables, g) if constrained else None)
 
     process_each = jax.vmap(process_one, in_axes=(1, 1, 1, 1, 1 if constrained else None),
                             out_axes=1)
 
-    def propose_with_model(c, live):
-        hist, length, lag = c["hist"], c["length"], c["lag"] & live
+    def propose_with_model():
+        hist, lag = s.hist, s.lag & live
         last = jnp.take_along_axis(hist, (length - 1)[:, None], 1)[:, 0]
         before = jnp.take_along_axis(hist, jnp.maximum(length - 2, 0)[:, None], 1)[:, 0]
         toks = jnp.where(lag[:, None], jnp.stack([before, last], 1),
                          jnp.stack([last, jnp.zeros_like(last)], 1))
         pos = (length - 1 - lag)[:, None] + jnp.arange(2)[None, :]
         n_in = jnp.where(live, 1 + lag, 0).astype(jnp.int32)
-        logits, dcache = draft.forward(dparams, toks, pos, c["dcache"], lengths=n_in)
+        logits, dcache = draft.forward(dparams, toks, pos, s.dcache, lengths=n_in, **extra(draft))
         logit = jnp.take_along_axis(logits, jnp.maximum(n_in - 1, 0)[:, None, None], 1)[:, 0]
 
         def sample(logit, counts, seen, g, i):
             # the draft proposes under the grammar mask, with its own copy of the state
-            lq = process_one(logit.astype(jnp.float32), counts, seen, c["step"] + i - 1, g)
-            d = _select(lq, rows, _keys(rows, c["step"] + i, DRAFT))
+            lq = process_one(logit.astype(jnp.float32), counts, seen, step + i - 1, g)
+            d = _select(lq, rows, step + i, DRAFT)
             g = constraints.next_state(gtables, g, d) if constrained else g
             return d, lq, g
 
@@ -161,127 +273,150 @@ def _spec_loop(target, tparams, draft, dparams, k: int, ngrams: tuple, init: dic
             counts = counts.at[jnp.arange(b), d].add(live.astype(jnp.int32))
             seen = seen.at[jnp.arange(b), d].max(live)
             logits, dcache = draft.forward(dparams, d[:, None], (length + i - 1)[:, None],
-                                           dcache, lengths=live.astype(jnp.int32))
+                                           dcache, lengths=live.astype(jnp.int32),
+                                           **extra(draft))
             return (logits[:, 0], counts, seen, g, dcache), (d, lq)
 
         (logit, counts, seen, g, dcache), (ds, lqs) = jax.lax.scan(
-            draft_step, (logit, c["counts"], c["seen"], c.get("gstate"), dcache),
+            draft_step, (logit, s.counts, s.seen, s.grammar_state, dcache),
             jnp.arange(1, k, dtype=jnp.int32))
         d_k, lq_k, _ = sample(logit, counts, seen, g, k)
         d = jnp.concatenate([ds.T.reshape(b, k - 1), d_k[:, None]], 1)
         lq = jnp.concatenate([lqs.transpose(1, 0, 2).reshape(b, k - 1, v), lq_k[:, None]], 1)
         return d, lq, dcache
 
-    def body(c):
-        live = ~c["done"]
-        length, step = c["length"], c["step"]
-        if draft is None:
-            d = _lookup(c["hist"], length, k, ngrams)
-            lq_d = jnp.zeros((b, k), jnp.float32)
-            q_at = lambda j: jax.nn.one_hot(jnp.take_along_axis(  # noqa: E731
-                jnp.pad(d, ((0, 0), (0, 1)), constant_values=v), j[:, None], 1)[:, 0], v)
-            dcache = None
-        else:
-            d, lq, dcache = propose_with_model(c, live)
-            lq_d = jnp.take_along_axis(lq, d[:, :, None], 2)[:, :, 0]
-            q_at = lambda j: jnp.exp(jnp.take_along_axis(  # noqa: E731
-                jnp.pad(lq, ((0, 0), (0, 1), (0, 0)), constant_values=-jnp.inf),
-                j[:, None, None], 1)[:, 0])
+    if draft is None:
+        d = _lookup(s.hist, length, k, ngrams)
+        lq_d = jnp.zeros((b, k), jnp.float32)
+        q_at = lambda j: jax.nn.one_hot(jnp.take_along_axis(  # noqa: E731
+            jnp.pad(d, ((0, 0), (0, 1)), constant_values=v), j[:, None], 1)[:, 0], v)
+        dcache = None
+    else:
+        d, lq, dcache = propose_with_model()
+        lq_d = jnp.take_along_axis(lq, d[:, :, None], 2)[:, :, 0]
+        q_at = lambda j: jnp.exp(jnp.take_along_axis(  # noqa: E731
+            jnp.pad(lq, ((0, 0), (0, 1), (0, 0)), constant_values=-jnp.inf),
+            j[:, None, None], 1)[:, 0])
 
-        # target: one forward of [s[-1], d_1 .. d_k]
-        last = jnp.take_along_axis(c["hist"], (length - 1)[:, None], 1)[:, 0]
-        toks = jnp.concatenate([last[:, None], d], 1)
-        pos = (length - 1)[:, None] + jnp.arange(k + 1)[None, :]
-        tlogits, tcache = target.forward(tparams, toks, pos, c["tcache"],
-                                         lengths=jnp.where(live, k + 1, 0).astype(jnp.int32))
-        tlogits = tlogits.astype(jnp.float32)
-        # processed p_1 .. p_{k+1}, with counts advanced through the proposed run
-        onehot = jax.nn.one_hot(d, v, dtype=jnp.int32)
-        before = jnp.concatenate([jnp.zeros((b, 1, v), jnp.int32), jnp.cumsum(onehot, 1)], 1)
-        counts_all = c["counts"][:, None] + before
-        seen_all = c["seen"][:, None] | (before > 0)
-        steps_all = step[:, None] + jnp.arange(k + 1)[None, :]
-        # grammar: position i is masked with the state after d_1 .. d_{i-1}
-        path = constraints.state_path(gtables, c["gstate"], d) if constrained else None
-        lp = process_each(tlogits, counts_all, seen_all, steps_all, path)  # [B, k+1, V]
+    # target: one forward of [s[-1], d_1 .. d_k]
+    last = jnp.take_along_axis(s.hist, (length - 1)[:, None], 1)[:, 0]
+    toks = jnp.concatenate([last[:, None], d], 1)
+    pos = (length - 1)[:, None] + jnp.arange(k + 1)[None, :]
+    tlogits, tcache = target.forward(tparams, toks, pos, s.tcache,
+                                     lengths=jnp.where(live, k + 1, 0).astype(jnp.int32),
+                                     **extra(target))
+    tlogits = tlogits.astype(jnp.float32)
+    # processed p_1 .. p_{k+1}, with counts advanced through the proposed run
+    onehot = jax.nn.one_hot(d, v, dtype=jnp.int32)
+    before = jnp.concatenate([jnp.zeros((b, 1, v), jnp.int32), jnp.cumsum(onehot, 1)], 1)
+    counts_all = s.counts[:, None] + before
+    seen_all = s.seen[:, None] | (before > 0)
+    steps_all = step[:, None] + jnp.arange(k + 1)[None, :]
+    # grammar: position i is masked with the state after d_1 .. d_{i-1}
+    path = constraints.state_path(gtables, s.grammar_state, d) if constrained else None
+    lp = process_each(tlogits, counts_all, seen_all, steps_all, path)  # [B, k+1, V]
 
-        # accept / reject
-        lp_d = jnp.take_along_axis(lp[:, :k], d[:, :, None], 2)[:, :, 0]
-        t_idx = step[:, None] + jnp.arange(1, k + 1)[None, :]
-        accept_keys = jax.vmap(lambda t: _keys(rows, t, ACCEPT), in_axes=1, out_axes=1)(t_idx)
-        u = jax.vmap(jax.vmap(jax.random.uniform))(accept_keys)                # [B, k]
-        ratio = jnp.exp(jnp.minimum(lp_d - lq_d, 0.0))
-        ok = jnp.where(greedy[:, None], d == jnp.argmax(lp[:, :k], -1),
-                       (u < ratio) & jnp.isfinite(lq_d))
-        j = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)     # accepted, 0..k
+    # accept / reject
+    lp_d = jnp.take_along_axis(lp[:, :k], d[:, :, None], 2)[:, :, 0]
+    t_idx = step[:, None] + jnp.arange(1, k + 1)[None, :]
+    u = _accept_uniforms(rows, t_idx)                                    # [B, k]
+    ratio = jnp.exp(jnp.minimum(lp_d - lq_d, 0.0))
+    best = jnp.argmax(lp, -1).astype(jnp.int32)                          # [B, k+1]
+    ok = jnp.where(greedy[:, None], d == best[:, :k], (u < ratio) & jnp.isfinite(lq_d))
+    j = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)     # accepted, 0..k
 
-        # the token at position j + 1: residual (j < k) or bonus (j == k) from the target
+    # the token at position j + 1: residual (j < k) or bonus (j == k) from the target
+    best_j = jnp.take_along_axis(best, j[:, None], 1)[:, 0]
+
+    def resample(_):
         p_log = jnp.take_along_axis(lp, j[:, None, None], 1)[:, 0]
         resid = jnp.maximum(jnp.exp(p_log) - q_at(j), 0.0)
         resid_log = jnp.where(jnp.sum(resid, -1, keepdims=True) > 0, jnp.log(resid), p_log)
-        corr = _select(resid_log, rows, _keys(rows, step + j + 1, RESAMPLE))
-        corr = jnp.where(greedy, jnp.argmax(p_log, -1), corr).astype(jnp.int32)
-        i0 = jnp.arange(k + 1)[None, :]
-        emit = jnp.where(i0 < j[:, None], jnp.pad(d, ((0, 0), (0, 1))), corr[:, None])
+        drawn = jax.vmap(sampling.inverse_cdf)(_keys(rows, step + j + 1, RESAMPLE), resid_log)
+        return jnp.where(greedy, best_j, drawn.astype(jnp.int32))
 
-        # device stops on every candidate token, in decode.finish_codes' priority
-        all_masked = jnp.all(jnp.isneginf(lp), -1)
-        grammar = []
-        if constrained:  # decode.finish_codes' grammar conditions, per position
-            g_next = constraints.next_state(gtables, path.reshape(-1),
-                                            emit.reshape(-1)).reshape(b, k + 1)
-            bound = path >= 0
-            grammar = [(GRAMMAR_DEAD_END, bound & all_masked),
-                       (GRAMMAR_DEAD_END, bound & (g_next == constraints.DEAD)),
-                       (GRAMMAR_COMPLETE, constraints.completes(
-                           gtables, g_next.reshape(-1)).reshape(b, k + 1))]
-        conds = [(MODEL_ERROR, jnp.any(jnp.isnan(tlogits), -1)),
-                 *grammar[:1],
-                 (ALL_MASKED, all_masked),
-                 (EOS, jnp.take_along_axis(rows.eos_mask, emit, axis=1)),
-                 (STOP_TOKEN, jnp.take_along_axis(rows.stop_mask, emit, axis=1)),
-                 *grammar[1:],
-                 (MAX_TOKENS, step[:, None] + i0 + 1 >= rows.max_tokens[:, None]),
-                 (CONTEXT_LIMIT, length[:, None] + i0 >= max_len - 1)]
-        code = jnp.full((b, k + 1), RUNNING, jnp.int32)
-        for value, cond in reversed(conds):
-            code = jnp.where(cond, value, code)
-        code = jnp.where(i0 <= j[:, None], code, RUNNING)
-        stops = code != RUNNING
-        first = jnp.argmax(stops, axis=1)
-        ended = jnp.any(stops, axis=1) & live
-        n_emit = jnp.where(ended, first + 1, j + 1)
-        n_emit = jnp.where(live, n_emit, 0)
-        finish = jnp.take_along_axis(code, first[:, None], 1)[:, 0]
+    corr = jax.lax.cond(jnp.all(greedy), lambda _: best_j, resample, None)
+    i0 = jnp.arange(k + 1)[None, :]
+    emit = jnp.where(i0 < j[:, None], jnp.pad(d, ((0, 0), (0, 1))), corr[:, None])
 
-        # commit the emitted tokens; roll back caches by lengths
-        emitted = i0 < n_emit[:, None]
-        h = c["hist"].shape[1]
-        where_to = jnp.where(emitted, length[:, None] + i0, h)
-        hist = c["hist"].at[jnp.arange(b)[:, None], where_to].set(emit, mode="drop")
-        raw = jnp.take_along_axis(jax.nn.log_softmax(tlogits, -1), emit[:, :, None], 2)[..., 0]
-        lpbuf = c["lpbuf"].at[jnp.arange(b)[:, None], where_to].set(raw, mode="drop")
-        add = jnp.sum(jax.nn.one_hot(emit, v, dtype=jnp.int32) * emitted[:, :, None], 1)
-        new_length = length + n_emit
-        tcache = tcache.replace(lengths=jnp.where(live, new_length - 1, c["tcache"].lengths))
-        out = dict(c, hist=hist, lpbuf=lpbuf, length=new_length, step=step + n_emit,
-                   counts=c["counts"] + add, seen=c["seen"] | (add > 0), tcache=tcache,
-                   done=c["done"] | ended, finish=jnp.where(ended, finish, c["finish"]),
-                   proposed=c["proposed"] + k * live, accepted=c["accepted"] + jnp.minimum(j, n_emit),
-                   target_tokens=c["target_tokens"] + (live & (n_emit == j + 1)),
-                   iterations=c["iterations"] + live, it=c["it"] + 1)
-        if constrained:  # the state after the last emitted token; ended rows keep theirs
-            after = jnp.take_along_axis(g_next, jnp.maximum(n_emit - 1, 0)[:, None], 1)[:, 0]
-            out["gstate"] = jnp.where(live & ~ended, after, c["gstate"])
-        if dcache is not None:
-            lag = live & (n_emit == k + 1)
-            dlen = jnp.where(lag, length + k - 1, new_length - 1)
-            out["dcache"] = dcache.replace(lengths=jnp.where(live, dlen, c["dcache"].lengths))
-            out["lag"] = jnp.where(live, lag, c["lag"])
-        return out
+    # device stops on every candidate token, in decode.finish_codes' priority
+    all_masked = jnp.all(jnp.isneginf(lp), -1)
+    grammar = []
+    if constrained:  # decode.finish_codes' grammar conditions, per position
+        g_next = constraints.next_state(gtables, path.reshape(-1),
+                                        emit.reshape(-1)).reshape(b, k + 1)
+        bound = path >= 0
+        grammar = [(GRAMMAR_DEAD_END, bound & all_masked),
+                   (GRAMMAR_DEAD_END, bound & (g_next == constraints.DEAD)),
+                   (GRAMMAR_COMPLETE, constraints.completes(
+                       gtables, g_next.reshape(-1)).reshape(b, k + 1))]
+    conds = [(MODEL_ERROR, jnp.any(jnp.isnan(tlogits), -1)),
+             *grammar[:1],
+             (ALL_MASKED, all_masked),
+             (EOS, jnp.take_along_axis(rows.eos_mask, emit, axis=1)),
+             (STOP_TOKEN, jnp.take_along_axis(rows.stop_mask, emit, axis=1)),
+             *grammar[1:],
+             (MAX_TOKENS, step[:, None] + i0 + 1 >= rows.max_tokens[:, None]),
+             (CONTEXT_LIMIT, length[:, None] + i0 >= max_len - 1)]
+    code = jnp.full((b, k + 1), RUNNING, jnp.int32)
+    for value, cond in reversed(conds):
+        code = jnp.where(cond, value, code)
+    code = jnp.where(i0 <= j[:, None], code, RUNNING)
+    stops = code != RUNNING
+    first = jnp.argmax(stops, axis=1)
+    ended = jnp.any(stops, axis=1) & live
+    n_emit = jnp.where(ended, first + 1, j + 1)
+    n_emit = jnp.where(live, n_emit, 0)
+    finish = jnp.where(ended, jnp.take_along_axis(code, first[:, None], 1)[:, 0], RUNNING)
 
-    return jax.lax.while_loop(lambda c: ~jnp.all(c["done"]) & (c["it"] < init["max_iters"]),
-                              body, init)
+    # commit the emitted tokens; roll back caches by lengths
+    emitted = i0 < n_emit[:, None]
+    h = s.hist.shape[1]
+    where_to = jnp.where(emitted, length[:, None] + i0, h)
+    hist = s.hist.at[jnp.arange(b)[:, None], where_to].set(emit, mode="drop")
+    raw_all = jax.nn.log_softmax(tlogits, -1)
+    raw = jnp.take_along_axis(raw_all, emit[:, :, None], 2)[..., 0]
+    lpbuf = s.lpbuf.at[jnp.arange(b)[:, None], where_to].set(raw, mode="drop")
+    add = jnp.sum(jax.nn.one_hot(emit, v, dtype=jnp.int32) * emitted[:, :, None], 1)
+    new_length = length + n_emit
+    accepted = jnp.minimum(j, n_emit)
+    tcache = tcache.replace(lengths=jnp.where(live, new_length - 1, s.tcache.lengths))
+    out = s.replace(hist=hist, lpbuf=lpbuf, length=new_length, step=step + n_emit,
+                    counts=s.counts + add, seen=s.seen | (add > 0), tcache=tcache,
+                    done=s.done | ended, finish=jnp.where(ended, finish, s.finish),
+                    proposed=s.proposed + k * live, accepted=s.accepted + accepted,
+                    target_tokens=s.target_tokens + (live & (n_emit == j + 1)),
+                    iterations=s.iterations + live)
+    if constrained:  # the state after the last emitted token; ended rows keep theirs
+        after = jnp.take_along_axis(g_next, jnp.maximum(n_emit - 1, 0)[:, None], 1)[:, 0]
+        out = out.replace(grammar_state=jnp.where(live & ~ended, after, s.grammar_state))
+    if dcache is not None:
+        lag = live & (n_emit == k + 1)
+        dlen = jnp.where(lag, length + k - 1, new_length - 1)
+        out = out.replace(dcache=dcache.replace(lengths=jnp.where(live, dlen, s.dcache.lengths)),
+                          lag=jnp.where(live, lag, s.lag))
+    top_lp, top_ids = jax.lax.top_k(raw_all, top_logprobs)
+    report = RoundOutput(tokens=jnp.where(emitted, emit, -1), count=n_emit, finish=finish,
+                         accepted=accepted, logprob=raw, top_ids=top_ids.astype(jnp.int32),
+                         top_logprobs=top_lp)
+    return out, report
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2, 4, 5))
+def _spec_loop(target, tparams, draft, dparams, k: int, ngrams: tuple, init: SpecState,
+               max_iters: Array) -> SpecState:
+    """The while-loop driver of `spec_round`: rounds until every row is done (or max_iters).
+    The grammar tables are loop constants, outside the carry."""
+    tables = init.grammar
+
+    def body(carry):
+        it, s = carry
+        s, _ = spec_round(target, tparams, draft, dparams, k, ngrams, s.replace(grammar=tables))
+        return it + 1, s.replace(grammar=None)
+
+    _, out = jax.lax.while_loop(lambda c: ~jnp.all(c[1].done) & (c[0] < max_iters), body,
+                                (jnp.int32(0), init.replace(grammar=None)))
+    return out
 
 
 def speculative_generate(target: DecoderModel, target_params: Any,
@@ -325,15 +460,13 @@ def speculative_generate(target: DecoderModel, target_params: Any,
     for r, p in enumerate(prompts):
         hist[r, : len(p)] = p
     tcache = state.cache.replace(lengths=state.cache.lengths - 1)   # s[-1] is pending
-    init = dict(rows=state.rows, counts=state.counts, seen=state.seen, tcache=tcache,
-                hist=jnp.asarray(hist), lpbuf=jnp.zeros((b, hist_len), jnp.float32),
-                length=jnp.asarray(plen), step=jnp.zeros((b,), jnp.int32),
-                done=jnp.zeros((b,), bool), finish=jnp.zeros((b,), jnp.int32),
-                proposed=jnp.zeros((b,), jnp.int32), accepted=jnp.zeros((b,), jnp.int32),
-                target_tokens=jnp.zeros((b,), jnp.int32), iterations=jnp.zeros((b,), jnp.int32),
-                it=jnp.int32(0), max_iters=jnp.int32(n + 1))
-    if state.grammar is not None:
-        init["gstate"] = state.grammar_state
+    zeros = jnp.zeros((b,), jnp.int32)
+    init = SpecState(rows=state.rows, tcache=tcache, hist=jnp.asarray(hist),
+                     lpbuf=jnp.zeros((b, hist_len), jnp.float32), length=jnp.asarray(plen),
+                     step=zeros, counts=state.counts, seen=state.seen,
+                     done=jnp.zeros((b,), bool), paused=jnp.zeros((b,), bool), finish=zeros,
+                     proposed=zeros, accepted=zeros, target_tokens=zeros, iterations=zeros,
+                     grammar_state=state.grammar_state, grammar=state.grammar)
     if not lookup:
         uniq = [list(p) for p in prompt_ids]
         t = bucket(max(len(p) for p in uniq), target.config.max_len)
@@ -347,23 +480,23 @@ def speculative_generate(target: DecoderModel, target_params: Any,
         dcache = dcache.replace(k=jnp.take(dcache.k, index, axis=1),
                                 v=jnp.take(dcache.v, index, axis=1),
                                 lengths=jnp.take(dcache.lengths, index) - 1)
-        init.update(dcache=dcache, lag=jnp.zeros((b,), bool))
+        init = init.replace(dcache=dcache, lag=jnp.zeros((b,), bool))
     ngrams = tuple(range(ngram_max, ngram_min - 1, -1))
     c = _spec_loop(target, target_params, None if lookup else draft,
-                   None if lookup else draft_params, k, ngrams, init, state.grammar)
+                   None if lookup else draft_params, k, ngrams, init, jnp.int32(n + 1))
 
-    finish = np.asarray(c["finish"])
-    step = np.asarray(c["step"])
+    finish = np.asarray(c.finish)
+    step = np.asarray(c.step)
     failed = np.isin(finish, FAILED_CODES)
     lengths = np.where(failed, step - 1, step).astype(np.int32)
-    hist_out, lp_out = np.asarray(c["hist"]), np.asarray(c["lpbuf"])
+    hist_out, lp_out = np.asarray(c.hist), np.asarray(c.lpbuf)
     token_ids = np.full((b, n), -1, np.int32)
     logprobs = np.zeros((b, n), np.float32)
     for r in range(b):
         m, ln = int(plen[r]), int(lengths[r])
         token_ids[r, :ln] = hist_out[r, m: m + ln]
         logprobs[r, :ln] = lp_out[r, m: m + ln]
-    stats = {name: np.asarray(c[name]).astype(np.int64)
+    stats = {name: np.asarray(getattr(c, name)).astype(np.int64)
              for name in ("proposed", "accepted", "target_tokens", "iterations")}
     stats["mean_accepted_length"] = float(
         (stats["accepted"].sum() + stats["target_tokens"].sum()) / max(1, stats["iterations"].sum()))

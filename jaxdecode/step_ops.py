@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxdecode import decode, slots
+from jaxdecode import decode, slots, speculative_engine
 from jaxdecode.beam import beam_search
 from jaxdecode.config import SamplingParams
 from jaxdecode.constraints.tables import GrammarTables
@@ -201,6 +201,7 @@ class Context:
     mesh: Optional[Any] = None
     replicate_outputs: bool = False
     tokenizer: Any = None  # BEAM: compiles a response_format
+    spec: Optional[Any] = None  # a speculative_engine.SpeculativeRunner: steps are its rounds
 
 
 def apply(ctx: Context, state: Optional[StepState], op: StepOp) -> tuple[Optional[StepState], Any]:
@@ -210,15 +211,20 @@ def apply(ctx: Context, state: Optional[StepState], op: StepOp) -> tuple[Optiona
     a = op.arrays
     if op.code == INIT:
         _check_config(ctx, op)
+        if ctx.spec is not None:
+            return ctx.spec.empty_state(ctx.max_slots, ctx.max_len, ctx.eos_token_ids), None
         return slots.empty_state(ctx.model, ctx.params, ctx.max_slots, ctx.max_len,
                                  ctx.eos_token_ids, mesh=ctx.mesh), None
     if op.code == ADMIT:
         rows = RowParams(**{k[5:]: v for k, v in a.items() if k.startswith("rows.")})
-        prefilled = decode.prefill(ctx.model, ctx.params, a["tokens"], a["lengths"], rows,
-                                   ctx.max_len)
+        if ctx.spec is not None:
+            prefilled = ctx.spec.prefill(a["tokens"], a["lengths"], rows, ctx.max_len)
+        else:
+            prefilled = decode.prefill(ctx.model, ctx.params, a["tokens"], a["lengths"], rows,
+                                       ctx.max_len)
         if "grammar_state" in a:
             prefilled = prefilled.replace(grammar_state=a["grammar_state"])
-        return slots.insert(state, prefilled, a["targets"]), None
+        return _slot_ops(ctx).insert(state, prefilled, a["targets"]), None
     if op.code == RESTORE:
         target = np.array([op.scalar("slot")], np.int32)
         return slots.insert(state, _saved_row(ctx, a), target), None
@@ -230,8 +236,10 @@ def apply(ctx: Context, state: Optional[StepState], op: StepOp) -> tuple[Optiona
             state = state.replace(grammar=_tables(ctx, a))
         return state, None
     if op.code == FLAGS:
-        return slots.set_flags(state, a["release"], a["paused"]), None
+        return _slot_ops(ctx).set_flags(state, a["release"], a["paused"]), None
     if op.code == STEP:
+        if ctx.spec is not None:
+            return ctx.spec.step(state, op.scalar("kv_len"), op.scalar("top_logprobs"))
         state, out = decode.decode_step_jit(ctx.model, ctx.params, state,
                                             op.scalar("top_logprobs"), op.scalar("kv_len"))
         if ctx.replicate_outputs and ctx.mesh is not None:
@@ -256,6 +264,8 @@ def warmup_shapes(ctx: Context, max_prompt_len: int, top_logprobs: int = 0) -> i
     scatter, and the decode step for each attention bucket, without logprobs and with
     `top_logprobs` (the engine's two step variants). Returns the compilations."""
     before = decode.compilation_count()
+    if ctx.spec is not None:
+        return _warmup_speculative(ctx, max_prompt_len, top_logprobs, before)
     model, params = ctx.model, ctx.params
     state = slots.empty_state(model, params, ctx.max_slots, ctx.max_len, ctx.eos_token_ids,
                               mesh=ctx.mesh)
@@ -285,6 +295,25 @@ def warmup_shapes(ctx: Context, max_prompt_len: int, top_logprobs: int = 0) -> i
         kv = min(2 * kv, ctx.max_len)
     jax.block_until_ready(state)
     return decode.compilation_count() - before
+
+
+def _warmup_speculative(ctx: Context, max_prompt_len: int, top_logprobs: int,
+                        before: int) -> int:
+    t_buckets = sorted({decode.bucket(n, ctx.max_len) for n in
+                        range(1, min(max_prompt_len, ctx.max_len - 1) + 1)})
+    batches = sorted({1 << i for i in range((ctx.max_slots - 1).bit_length() + 1)})
+    kv_buckets = sorted({min(max(decode.bucket(n), KV_BUCKET_MIN), ctx.max_len)
+                         for n in (1 << i for i in range(ctx.max_len.bit_length() + 1))})
+    state = ctx.spec.empty_state(ctx.max_slots, ctx.max_len, ctx.eos_token_ids)
+    state = ctx.spec.warmup(state, batches, t_buckets, kv_buckets, (0, top_logprobs),
+                            ctx.max_len, ctx.eos_token_ids)
+    jax.block_until_ready(state)
+    return decode.compilation_count() - before
+
+
+def _slot_ops(ctx: Context) -> Any:
+    """The module with `insert` and `set_flags` for the engine's state type."""
+    return slots if ctx.spec is None else speculative_engine
 
 
 def _check_config(ctx: Context, op: StepOp) -> None:

@@ -209,3 +209,82 @@ def test_closing_a_stream_cancels_its_request(client, url):
     assert _metric(url, "jaxdecode_requests_running") == 0
     assert _metric(url, "jaxdecode_requests_total",
                    finish_reason="transport_error") == before + 1
+
+
+def _sse(response) -> list:
+    """(id, data) pairs of a raw SSE response, in order."""
+    events, seq = [], None
+    for line in response.iter_lines():
+        if line.startswith("id:"):
+            seq = int(line[3:].strip())
+        elif line.startswith("data:"):
+            events.append((seq, line[5:].strip()))
+            seq = None
+    return events
+
+
+def test_completions_and_chat_plain_and_streamed_agree(client):
+    plain = client.completions.create(model="demo", prompt=PROMPT, max_tokens=12, temperature=0)
+    streamed = client.completions.create(model="demo", prompt=PROMPT, max_tokens=12,
+                                         temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == plain.choices[0].text
+    chat = client.chat.completions.create(model="demo", messages=CHAT, max_tokens=12,
+                                          temperature=0)
+    chunks = client.chat.completions.create(model="demo", messages=CHAT, max_tokens=12,
+                                            temperature=0, stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == chat.choices[0].message.content and chat.usage.completion_tokens == 12
+
+
+def test_stop_string_never_appears_in_any_chunk(client):
+    full = client.completions.create(model="demo", prompt=PROMPT, max_tokens=24,
+                                     temperature=0).choices[0].text
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    assert len(stop) == 3
+    chunks = [c.choices[0].text for c in client.completions.create(
+        model="demo", prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop], stream=True)
+        if c.choices]
+    text = "".join(chunks)
+    assert all(stop not in c for c in chunks) and stop not in text
+    assert text == full[: full.index(stop)]
+
+
+def test_seeded_sampling_reproduces(client):
+    def sample(seed):
+        return client.completions.create(model="demo", prompt=PROMPT, max_tokens=16,
+                                         temperature=1.0, seed=seed).choices[0].text
+
+    assert sample(7) == sample(7)
+    assert len({sample(s) for s in (1, 2, 3)}) > 1
+
+
+def test_bad_inputs_get_400_naming_param_and_the_server_keeps_serving(client):
+    for kwargs, param in (({"temperature": -1}, "temperature"), ({"top_p": 2}, "top_p"),
+                          ({"max_tokens": 0}, "max_tokens"), ({"logprobs": 99}, "logprobs"),
+                          ({"prompt": "x" * 5000}, "prompt")):
+        args = {"model": "demo", "prompt": PROMPT, "max_tokens": 4, **kwargs}
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(**args)
+        assert err.value.status_code == 400
+        body = err.value.body
+        assert body["type"] == "invalid_request_error" and body["param"] == param, body
+    ok = client.completions.create(model="demo", prompt=PROMPT, max_tokens=3, temperature=0)
+    assert ok.usage.completion_tokens == 3
+
+
+def test_raw_sse_ids_increase_done_is_last_and_resume_with_last_event_id(url):
+    body = {"model": "demo", "prompt": PROMPT, "max_tokens": 10, "temperature": 0,
+            "stream": True}
+    with httpx.Client(base_url=url, timeout=60) as c:
+        with c.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            rid = r.headers["x-request-id"]
+            full = _sse(r)
+        ids = [i for i, _ in full[:-1]]
+        assert ids == sorted(set(ids)) and full[-1][1] == "[DONE]"
+        assert sum(d == "[DONE]" for _, d in full) == 1
+        for last in (ids[0], ids[len(ids) // 2]):
+            with c.stream("GET", f"/v1/streams/{rid}",
+                          headers={"Last-Event-ID": str(last)}) as rr:
+                assert rr.status_code == 200
+                assert _sse(rr) == [e for e in full if e[0] is None or e[0] > last]
