@@ -70,6 +70,8 @@ def test_cli_speculative_bad_flags_are_named():
         out = cli("generate", "--prompt", "x", *args)
         assert out.returncode != 0 and out.stderr.startswith(flag + ":"), (args, out.stderr)
         assert "Traceback" not in out.stderr
+    out = cli("serve", "--speculative", "prompt_lookup", "--record-dir", "records")
+    assert out.returncode != 0 and out.stderr.startswith("--record-dir:"), out.stderr
 
 
 def test_cli_speculative_draft_directory_and_vocabulary_check(tiny_hf_checkpoint):
