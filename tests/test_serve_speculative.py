@@ -82,7 +82,7 @@ def test_speculative_server_matches_plain_and_reports_setting(tmp_path):
         assert "speculative" not in httpx.get(plain[1] + "/health").json()
         metrics = httpx.get(url + "/metrics").text
         value = {name: float(re.search(rf"^jaxdecode_spec_{name}_total (\S+)$", metrics,
-                                       re.M).group(1))
+                                       re.MULTILINE).group(1))
                  for name in ("proposed_tokens", "accepted_tokens", "rounds")}
         assert value["proposed_tokens"] == 3 * value["rounds"] > 0
         assert 0 <= value["accepted_tokens"] <= value["proposed_tokens"]
