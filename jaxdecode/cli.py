@@ -72,8 +72,6 @@ def speculative_from_args(args, model, tokenizer) -> tuple[Optional[dict], Optio
     """(the engine's `speculative=` option, the setting to report) from --speculative,
     --num-speculative-tokens, --ngram-max, --ngram-min; (None, None) without --speculative.
     The engine validates the numbers (errors mapped to the flags by `flag_error`)."""
-    import models
-
     spec = args.speculative
     if spec is None:
         for flag in ("num_speculative_tokens", "ngram_max", "ngram_min"):
@@ -89,6 +87,8 @@ def speculative_from_args(args, model, tokenizer) -> tuple[Optional[dict], Optio
     for flag in ("ngram_max", "ngram_min"):
         if getattr(args, flag) is not None:
             raise SystemExit(f"--{flag.replace('_', '-')}: only with --speculative prompt_lookup")
+    import models
+
     if spec == "demo-draft":
         draft, draft_params, draft_tokenizer = models.demo("draft")
     elif os.path.isdir(spec):
