@@ -3,6 +3,7 @@
     jaxdecode serve --model DIR|demo --host 127.0.0.1 --port 8000 --max-slots N --max-len N
                     [--api-key KEY] [--on-disconnect cancel|continue] [--max-queue N]
                     [--model-name NAME] [--record-dir DIR] [--log-prompts] [--max-body-bytes N] [--warmup]
+                    [--speculative prompt_lookup|demo-draft|DIR] [--num-speculative-tokens K]
 
 The server binds 127.0.0.1 unless told otherwise; the api key may also come from the
 JAXDECODE_API_KEY environment variable. Logs are JSON lines on stderr (`serving.logs`).
@@ -74,7 +75,7 @@ class ServerThread:
 
 def main(args: Any) -> int:
     """`jaxdecode serve`: load the model, build the engine and the app, serve until Ctrl-C."""
-    from jaxdecode.cli import load_model
+    from jaxdecode.cli import flag_error, load_model, speculative_from_args
     from jaxdecode.engine import LLM
     from serving.app import create_app
     from serving.logs import configure_logging, log_event
@@ -84,6 +85,10 @@ def main(args: Any) -> int:
     if tokenizer is None:
         raise SystemExit(f"--model: {args.model!r} has no tokenizer files; the server needs one")
     max_len = args.max_len or min(model.config.max_len, 4096)
+    speculative, spec_setting = speculative_from_args(args, model, tokenizer)
+    if speculative and args.record_dir:
+        raise SystemExit("--record-dir: not with --speculative (a record does not pin the "
+                         "speculative setting, so replay would run a plain engine)")
     mesh = None
     if getattr(args, "mesh", None):
         from models.sharding import parse_mesh, shard_params
@@ -95,9 +100,10 @@ def main(args: Any) -> int:
     api_key: Optional[str] = args.api_key or os.environ.get("JAXDECODE_API_KEY") or None
     try:
         llm = LLM(model, params, tokenizer, max_slots=args.max_slots, max_len=max_len,
-                  max_queue=args.max_queue, model_source=args.model, mesh=mesh)
+                  max_queue=args.max_queue, model_source=args.model, mesh=mesh,
+                  speculative=speculative)
     except ValueError as e:
-        raise SystemExit(f"--{str(e).split(':')[0].replace('_', '-')}: {e}")
+        raise flag_error(e)
     name = args.model_name or (args.model if args.model == "demo"
                                else os.path.basename(os.path.normpath(args.model)))
     if args.warmup:
@@ -107,10 +113,12 @@ def main(args: Any) -> int:
                   seconds=round(time.perf_counter() - t0, 3))
     app = create_app(llm, model_name=name, api_key=api_key, on_disconnect=args.on_disconnect,
                      max_body_bytes=args.max_body_bytes, log_prompts=args.log_prompts,
-                     record_dir=args.record_dir, close_llm_on_shutdown=True)
+                     record_dir=args.record_dir, close_llm_on_shutdown=True,
+                     speculative=spec_setting)
     log_event("server.start", model=name, host=args.host, port=args.port,
               max_slots=args.max_slots, max_len=max_len, max_queue=args.max_queue,
-              auth=api_key is not None, on_disconnect=args.on_disconnect)
+              auth=api_key is not None, on_disconnect=args.on_disconnect,
+              speculative=spec_setting)
     try:
         serve_app(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:
