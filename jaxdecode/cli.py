@@ -2,10 +2,12 @@
 together. Only this module of `jaxdecode` imports `models` / `serving`, inside the subcommands.
 
     jaxdecode generate [--model DIR|demo] [--prompt TEXT | --prompt-file F] [--max-tokens N] ...
+        [--speculative prompt_lookup|demo-draft|DIR] [--num-speculative-tokens K]
         (streams through the engine `jd.LLM`: detokenizer, stop matcher, ordered stream)
     jaxdecode replay FILE [--model DIR|demo]
     jaxdecode serve [--model DIR|demo] [--host 127.0.0.1] [--port 8000] [--max-slots N] [--max-len N]
         [--api-key KEY] [--on-disconnect cancel|continue] [--max-queue N]
+        [--speculative prompt_lookup|demo-draft|DIR] [--num-speculative-tokens K]
         [--mesh data=N,model=M] [--distributed]
         (the OpenAI-compatible HTTP server of `serving/`; multi-host: serving/README.md)
     jaxdecode bench [--model DIR|demo|CONFIG] [--batch N]... [--compare-hf] [--json FILE]
@@ -51,6 +53,64 @@ def load_model(spec: str, dtype: Optional[str] = None):
     return models.load(spec, dtype=dtype)
 
 
+# the engine's `speculative=` fields (SpeculativeConfig.parse errors) -> the flags setting them
+SPECULATIVE_FLAGS = {"speculative": "--speculative", "speculative.draft": "--speculative",
+                     "speculative.k": "--num-speculative-tokens",
+                     "speculative.ngram_max": "--ngram-max", "speculative.ngram_min": "--ngram-min"}
+
+
+def flag_error(e: ValueError) -> SystemExit:
+    """An engine or SamplingParams ValueError ("field: ...") as an exit naming the flag."""
+    field = str(e).split(":")[0]
+    return SystemExit(f"{SPECULATIVE_FLAGS.get(field, '--' + field.replace('_', '-'))}: {e}")
+
+
+def _vocab(tokenizer) -> Optional[dict]:
+    return None if tokenizer is None else tokenizer.get_vocab()
+
+
+def speculative_from_args(args, model, tokenizer) -> tuple[Optional[dict], Optional[dict]]:
+    """(the engine's `speculative=` option, the setting to report) from --speculative,
+    --num-speculative-tokens, --ngram-max, --ngram-min; (None, None) without --speculative.
+    The engine validates the numbers (errors mapped to the flags by `flag_error`)."""
+    spec = args.speculative
+    if spec is None:
+        for flag in ("num_speculative_tokens", "ngram_max", "ngram_min"):
+            if getattr(args, flag) is not None:
+                raise SystemExit(f"--{flag.replace('_', '-')}: needs --speculative")
+        return None, None
+    setting = {"draft": spec, "k": 4 if args.num_speculative_tokens is None
+               else args.num_speculative_tokens}
+    if spec == "prompt_lookup":
+        setting.update(ngram_max=3 if args.ngram_max is None else args.ngram_max,
+                       ngram_min=1 if args.ngram_min is None else args.ngram_min)
+        return dict(setting), setting
+    for flag in ("ngram_max", "ngram_min"):
+        if getattr(args, flag) is not None:
+            raise SystemExit(f"--{flag.replace('_', '-')}: only with --speculative prompt_lookup")
+    import models
+
+    if spec == "demo-draft":
+        draft, draft_params, draft_tokenizer = models.demo("draft")
+    elif os.path.isdir(spec):
+        try:
+            draft, draft_params, draft_tokenizer = models.load(spec)
+        except models.CheckpointError as e:
+            raise SystemExit(f"--speculative: {e}")
+    else:
+        raise SystemExit(f"--speculative: {spec!r} is neither 'prompt_lookup', 'demo-draft' nor "
+                         "a checkpoint directory")
+    if draft.config.vocab_size != model.config.vocab_size:
+        raise SystemExit(f"--speculative: the draft {spec!r} has {draft.config.vocab_size} "
+                         f"token ids, the target {model.config.vocab_size}; a draft must share "
+                         "the target's tokenizer")
+    vocab, draft_vocab = _vocab(tokenizer), _vocab(draft_tokenizer)
+    if None not in (vocab, draft_vocab) and vocab != draft_vocab:
+        raise SystemExit(f"--speculative: the draft {spec!r} has another tokenizer than the "
+                         "target; a draft must share the target's vocabulary")
+    return dict(setting, draft=(draft, draft_params)), setting
+
+
 def sampling_from_args(args):
     from jaxdecode.config import SamplingParams
 
@@ -60,7 +120,7 @@ def sampling_from_args(args):
                               max_tokens=args.max_tokens, stop=tuple(args.stop or ()),
                               seed=args.seed, ignore_eos=args.ignore_eos)
     except ValueError as e:
-        raise SystemExit(f"--{str(e).split(':')[0].replace('_', '-')}: {e}")
+        raise flag_error(e)
 
 
 def cmd_generate(args) -> int:
@@ -76,7 +136,13 @@ def cmd_generate(args) -> int:
     else:
         raise SystemExit("--prompt or --prompt-file is required")
     sp = sampling_from_args(args)
+    if args.speculative is not None and args.num_beams > 1:
+        raise SystemExit("--speculative: not with --num-beams (beam search runs its own lane)")
+    if args.speculative is not None and args.record:
+        raise SystemExit("--record: not with --speculative (a record does not pin the "
+                         "speculative setting, so replay would run a plain engine)")
     model, params, tokenizer = load_model(args.model)
+    speculative, _ = speculative_from_args(args, model, tokenizer)
     prompt_ids = encode(tokenizer, prompt)
     if args.num_beams > 1:
         return _generate_beams(args, model, params, tokenizer, prompt, prompt_ids, sp)
@@ -86,7 +152,7 @@ def cmd_generate(args) -> int:
     first_delta_s = None
     try:
         with LLM(model, params, tokenizer, max_slots=1, max_len=max_len,
-                 model_source=args.model) as llm:
+                 model_source=args.model, speculative=speculative) as llm:
             handle = llm.submit(prompt, sp)
             if stream:
                 sys.stdout.write(prompt)
@@ -96,8 +162,9 @@ def cmd_generate(args) -> int:
                         sys.stdout.write(event.data["text"])
                         sys.stdout.flush()
             done = handle.result()
+            spec_stats = llm.speculative_stats() if speculative else None
     except ValueError as e:
-        raise SystemExit(f"--{str(e).split(':')[0].replace('_', '-')}: {e}")
+        raise flag_error(e)
     elapsed = time.perf_counter() - t0
     if args.record:
         done.record.save(args.record)
@@ -106,14 +173,18 @@ def cmd_generate(args) -> int:
                           "finish_reason": done.finish_reason and done.finish_reason.value,
                           "error": done.error and done.error.value,
                           "usage": dataclasses.asdict(done.usage),
-                          "seconds": round(elapsed, 3)}, ensure_ascii=False))
+                          "seconds": round(elapsed, 3),
+                          **({"speculative": spec_stats} if spec_stats else {})},
+                         ensure_ascii=False))
     elif not stream:
         print(done.text)
     else:
         sys.stdout.write("\n")
         status = done.finish_reason.value if done.finish_reason else f"failed: {done.error.value}"
+        accepted = (f", mean accepted length {spec_stats['mean_accepted_length']:.2f}"
+                    if spec_stats else "")
         print(f"[{status}; {done.usage.selected_tokens} tokens in {elapsed:.2f}s, "
-              f"first text after {first_delta_s or 0:.2f}s]", file=sys.stderr)
+              f"first text after {first_delta_s or 0:.2f}s{accepted}]", file=sys.stderr)
     return 0 if done.error is None else 1
 
 
@@ -133,7 +204,7 @@ def _generate_beams(args, model, params, tokenizer, prompt, prompt_ids, sp) -> i
                  model_source=args.model) as llm:
             done = llm.generate(prompt, sp)
     except ValueError as e:
-        raise SystemExit(f"--{str(e).split(':')[0].replace('_', '-')}: {e}")
+        raise flag_error(e)
     if args.record:
         done[0].record.save(args.record)
     beams = [{"text": c.text, "token_ids": list(c.token_ids), "score": c.score,
@@ -380,6 +451,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-stream", action="store_true", help="print the text once at the end")
     g.add_argument("--json", action="store_true", help="print one JSON object with text and usage")
     g.add_argument("--record", help="write the generation record (SPEC §11) to this JSON file")
+    add_speculative_arguments(g)
     g.set_defaults(func=cmd_generate)
 
     r = sub.add_parser("replay", help="re-run a generation record; exit 1 on a divergence")
@@ -389,6 +461,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="the OpenAI-compatible HTTP server (SSE streaming)")
     _add_serve_arguments(s)
+    add_speculative_arguments(s)
     s.set_defaults(func=cmd_serve)
 
     b = sub.add_parser("bench", help="decode throughput, side by side with HF PyTorch")
@@ -421,6 +494,20 @@ def build_parser() -> argparse.ArgumentParser:
     _add_loadtest_arguments(b.add_argument_group("load test (with --serve)"))
     b.set_defaults(func=cmd_bench)
     return parser
+
+
+def add_speculative_arguments(p) -> None:
+    """`generate` and `serve`: speculative decoding (SPEC §10, docs/decoding.md)."""
+    p.add_argument("--speculative", default=None, metavar="prompt_lookup|demo-draft|DIR",
+                   help="speculative decoding with this drafter: 'prompt_lookup' (n-grams of "
+                        "the prompt and output), 'demo-draft' (the demo model's draft) or a "
+                        "local HF checkpoint directory sharing the model's tokenizer")
+    p.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
+                   help="tokens proposed per round (default 4; with --speculative)")
+    p.add_argument("--ngram-max", type=int, default=None,
+                   help="longest n-gram matched (default 3; with --speculative prompt_lookup)")
+    p.add_argument("--ngram-min", type=int, default=None,
+                   help="shortest n-gram matched (default 1; with --speculative prompt_lookup)")
 
 
 def _add_serve_arguments(p) -> None:

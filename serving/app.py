@@ -27,6 +27,10 @@ streaming, an SSE event ``{"error": {...}}`` for that choice. /health answers 50
 engine's error once `LLM.error` is set (an engine step failed; its requests were failed and the
 engine thread went on).
 
+`speculative` (the setting `jaxdecode serve --speculative` built the engine with, e.g.
+``{"draft": "prompt_lookup", "k": 4, "ngram_max": 3, "ngram_min": 1}``) is reported by /health
+and the model card; /metrics then adds the engine's acceptance counters.
+
 Streaming: ``text/event-stream`` with ``id: <n>`` and ``data: <chunk json>`` per event, then an
 optional usage chunk (``stream_options.include_usage``: ``choices: []``; every other chunk then
 has ``"usage": null``) and ``data: [DONE]``; see `serving.streams` for ids and resumption. The
@@ -177,8 +181,10 @@ class Server:
     def __init__(self, llm: Any, *, model_name: str, api_key: Optional[str],
                  on_disconnect: str, max_body_bytes: int, log_prompts: bool,
                  stream_ttl_s: float, max_kept_streams: int, retry_after_s: int,
-                 max_n: int, keepalive_s: float = 15.0, record_dir: Optional[str] = None):
+                 max_n: int, keepalive_s: float = 15.0, record_dir: Optional[str] = None,
+                 speculative: Optional[dict] = None):
         self.llm = llm
+        self.speculative = speculative
         self.record_dir = record_dir
         if record_dir:
             os.makedirs(record_dir, exist_ok=True)
@@ -189,7 +195,7 @@ class Server:
         self.log_prompts = log_prompts
         self.retry_after_s = retry_after_s
         self.max_n = max_n
-        self.metrics = Metrics(llm)
+        self.metrics = Metrics(llm, speculative=speculative is not None)
         self.registry = StreamRegistry(max_finished=max_kept_streams, ttl_s=stream_ttl_s)
         self.keepalive_s = keepalive_s
         self.fingerprint = f"jaxdecode-{getattr(llm, 'model_snapshot', '')}"
@@ -633,6 +639,8 @@ class Server:
         llm = self.llm
         body = {"status": "ok", "model": self.model_name, "running": llm.num_running,
                 "waiting": llm.num_waiting}
+        if self.speculative is not None:
+            body["speculative"] = self.speculative
         closed = getattr(llm, "_closed", False)
         if llm.error is not None or closed:
             body.update(status="error", error=llm.error or "the engine is closed")
@@ -643,8 +651,11 @@ class Server:
         return {"object": "list", "data": [self.model_card()]}
 
     def model_card(self) -> dict:
-        return {"id": self.model_name, "object": "model", "created": self.created,
+        card = {"id": self.model_name, "object": "model", "created": self.created,
                 "owned_by": "jaxdecode", "max_model_len": self.llm.max_len}
+        if self.speculative is not None:
+            card["speculative"] = self.speculative
+        return card
 
 
 def create_app(llm: Any, *, model_name: str, api_key: Optional[str] = None,
@@ -652,7 +663,8 @@ def create_app(llm: Any, *, model_name: str, api_key: Optional[str] = None,
                log_prompts: bool = False, stream_ttl_s: float = 600.0,
                max_kept_streams: int = 256, retry_after_s: int = 1, max_n: int = MAX_N,
                keepalive_s: float = 15.0, close_llm_on_shutdown: bool = False,
-               record_dir: Optional[str] = None) -> FastAPI:
+               record_dir: Optional[str] = None,
+               speculative: Optional[dict] = None) -> FastAPI:
     """The FastAPI app serving `llm` under `model_name` (see the module docstring)."""
     if on_disconnect not in ON_DISCONNECT:
         raise ValueError(f"on_disconnect: must be one of {ON_DISCONNECT}, got {on_disconnect!r}")
@@ -662,7 +674,7 @@ def create_app(llm: Any, *, model_name: str, api_key: Optional[str] = None,
                     max_body_bytes=max_body_bytes, log_prompts=log_prompts,
                     stream_ttl_s=stream_ttl_s, max_kept_streams=max_kept_streams,
                     retry_after_s=retry_after_s, max_n=max(1, min(max_n, llm.max_queue)),
-                    keepalive_s=keepalive_s, record_dir=record_dir)
+                    keepalive_s=keepalive_s, record_dir=record_dir, speculative=speculative)
 
     import contextlib
 

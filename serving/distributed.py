@@ -150,16 +150,6 @@ def run_follower(model: Any, params: Any, channel: Any, *, max_slots: int, max_l
             observe(op, out)
 
 
-def engine_eos_ids(model: Any, tokenizer: Any) -> tuple:
-    """The EOS ids `LLM` uses by default (its rule: the model's, else the tokenizer's)."""
-    from jaxdecode.tokenization import eos_token_id
-
-    ids = model.config.eos_token_ids
-    if not ids and eos_token_id(tokenizer) is not None:
-        ids = (eos_token_id(tokenizer),)
-    return tuple(ids)
-
-
 def initialize(args: Any) -> None:
     """`jax.distributed.initialize` from the serve flags (None = auto-detect); before any
     device is touched."""

@@ -16,6 +16,10 @@
     jaxdecode_inter_token_latency_seconds        histogram: between consecutive selections
     jaxdecode_queue_time_seconds                 histogram: queued -> prefill started
     jaxdecode_compilations_total                 counter: jd.compilation_count() (process-wide)
+    jaxdecode_spec_proposed_tokens_total         counter: draft tokens proposed (speculative
+                                                 engine only, LLM.speculative_stats())
+    jaxdecode_spec_accepted_tokens_total         counter: proposed tokens the target accepted
+    jaxdecode_spec_rounds_total                  counter: verify rounds of a request's row
 """
 
 from __future__ import annotations
@@ -37,8 +41,8 @@ _WAIT = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 
 class _EngineCollector:
     """Values read from the engine at scrape time."""
 
-    def __init__(self, llm: Any):
-        self.llm = llm
+    def __init__(self, llm: Any, speculative: bool):
+        self.llm, self.speculative = llm, speculative
 
     def collect(self):
         yield GaugeMetricFamily("jaxdecode_requests_running",
@@ -50,10 +54,17 @@ class _EngineCollector:
         yield CounterMetricFamily("jaxdecode_compilations",
                                   "XLA compilations of jaxdecode's jitted functions.",
                                   value=compilation_count())
+        if self.speculative:
+            stats = self.llm.speculative_stats()
+            for name, key, doc in (("proposed_tokens", "proposed", "Draft tokens proposed."),
+                                   ("accepted_tokens", "accepted",
+                                    "Proposed tokens the target accepted."),
+                                   ("rounds", "iterations", "Speculative verify rounds.")):
+                yield CounterMetricFamily(f"jaxdecode_spec_{name}", doc, value=stats[key])
 
 
 class Metrics:
-    def __init__(self, llm: Any):
+    def __init__(self, llm: Any, speculative: bool = False):
         r = self.registry = CollectorRegistry()
         self.requests = Counter("jaxdecode_requests_total",
                                 "Engine requests by how they ended.", ["finish_reason"],
@@ -72,7 +83,7 @@ class Metrics:
                              registry=r)
         self.queue_time = Histogram("jaxdecode_queue_time_seconds",
                                     "Queued to prefill started.", buckets=_WAIT, registry=r)
-        r.register(_EngineCollector(llm))
+        r.register(_EngineCollector(llm, speculative))
 
     def observe(self, handle: Any, label: str) -> dict:
         """Record one ended engine request; returns its timings for the log line."""

@@ -3,6 +3,7 @@
     jaxdecode serve --model DIR|demo --host 127.0.0.1 --port 8000 --max-slots N --max-len N
                     [--api-key KEY] [--on-disconnect cancel|continue] [--max-queue N]
                     [--model-name NAME] [--record-dir DIR] [--log-prompts] [--max-body-bytes N] [--warmup]
+                    [--speculative prompt_lookup|demo-draft|DIR] [--num-speculative-tokens K]
                     [--mesh data=N,model=M] [--distributed [--coordinator-address HOST:PORT
                      --num-processes N --process-id I]]
 
@@ -78,7 +79,7 @@ class ServerThread:
 
 def main(args: Any) -> int:
     """`jaxdecode serve`: load the model, build the engine and the app, serve until Ctrl-C."""
-    from jaxdecode.cli import load_model
+    from jaxdecode.cli import flag_error, load_model, speculative_from_args
     from jaxdecode.engine import LLM
     from serving.app import create_app
     from serving.logs import configure_logging, log_event
@@ -86,12 +87,18 @@ def main(args: Any) -> int:
     configure_logging(args.log_level)
     distributed = getattr(args, "distributed", False)
     if distributed:
+        import jax
+
         from serving import distributed as dist
         dist.initialize(args)  # before anything touches a device
     model, params, tokenizer = load_model(args.model)
     if tokenizer is None:
         raise SystemExit(f"--model: {args.model!r} has no tokenizer files; the server needs one")
     max_len = args.max_len or min(model.config.max_len, 4096)
+    speculative, spec_setting = speculative_from_args(args, model, tokenizer)
+    if speculative and args.record_dir:
+        raise SystemExit("--record-dir: not with --speculative (a record does not pin the "
+                         "speculative setting, so replay would run a plain engine)")
     mesh, params_hash = None, None
     if getattr(args, "mesh", None) or distributed:
         from jaxdecode.replay import params_hash as hash_params
@@ -100,25 +107,24 @@ def main(args: Any) -> int:
             mesh = parse_mesh(args.mesh) if args.mesh else make_mesh(data=1)
         except ValueError as e:
             raise SystemExit(f"--mesh: {e}")
-        if distributed:  # hashed while whole: sharded leaves may live on other hosts
-            params_hash = hash_params(params)
+        if distributed and jax.process_index() == 0:  # hashed while whole: sharded leaves
+            params_hash = hash_params(params)             # may live on other hosts
         params = shard_params(params, mesh)
-    if distributed:
-        import jax
-        if jax.process_index() != 0:
-            log_event("follower.start", process=jax.process_index(), devices=jax.device_count())
-            applied = dist.run_follower(
-                model, params, dist.CollectiveBroadcaster(), max_slots=args.max_slots,
-                max_len=max_len, eos_token_ids=dist.engine_eos_ids(model, tokenizer), mesh=mesh)
-            log_event("follower.stop", process=jax.process_index(), ops=applied)
-            return 0
     hook = dist.CollectiveBroadcaster() if distributed else None
     api_key: Optional[str] = args.api_key or os.environ.get("JAXDECODE_API_KEY") or None
     try:
         llm = LLM(model, params, tokenizer, max_slots=args.max_slots, max_len=max_len,
-                  max_queue=args.max_queue, model_source=args.model, mesh=mesh, step_hook=hook)
-    except ValueError as e:
-        raise SystemExit(f"--{str(e).split(':')[0].replace('_', '-')}: {e}")
+                  max_queue=args.max_queue, model_source=args.model, mesh=mesh,
+                  speculative=speculative, step_hook=hook)
+    except ValueError as e:  # on every process: a follower never waits for a failed leader
+        raise flag_error(e)
+    if distributed and jax.process_index() != 0:  # built only to check the flags
+        log_event("follower.start", process=jax.process_index(), devices=jax.device_count())
+        applied = dist.run_follower(model, params, hook, max_slots=llm.max_slots,
+                                    max_len=llm.max_len, eos_token_ids=llm.eos_token_ids,
+                                    mesh=mesh)
+        log_event("follower.stop", process=jax.process_index(), ops=applied)
+        return 0
     if params_hash is not None:
         llm._hashes["params"] = params_hash
     name = args.model_name or (args.model if args.model == "demo"
@@ -130,10 +136,12 @@ def main(args: Any) -> int:
                   seconds=round(time.perf_counter() - t0, 3))
     app = create_app(llm, model_name=name, api_key=api_key, on_disconnect=args.on_disconnect,
                      max_body_bytes=args.max_body_bytes, log_prompts=args.log_prompts,
-                     record_dir=args.record_dir, close_llm_on_shutdown=True)
+                     record_dir=args.record_dir, close_llm_on_shutdown=True,
+                     speculative=spec_setting)
     log_event("server.start", model=name, host=args.host, port=args.port,
               max_slots=args.max_slots, max_len=max_len, max_queue=args.max_queue,
-              auth=api_key is not None, on_disconnect=args.on_disconnect)
+              auth=api_key is not None, on_disconnect=args.on_disconnect,
+              speculative=spec_setting)
     try:
         serve_app(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:

@@ -42,3 +42,45 @@ def test_cli_generate_beams_are_sorted_by_score_and_replay(tmp_path):
 def test_cli_bad_flag_value_names_the_field():
     out = cli("generate", "--prompt", "x", "--top-p", "1.5")
     assert out.returncode != 0 and "top_p" in out.stderr
+
+
+def test_cli_generate_speculative_greedy_equals_plain():
+    args = ("generate", "--prompt", "def add(a, b):", "--max-tokens", "16", "--temperature", "0",
+            "--json")
+    plain = cli(*args)
+    assert plain.returncode == 0, plain.stderr
+    for drafter in ("prompt_lookup", "demo-draft"):
+        out = cli(*args, "--speculative", drafter, "--num-speculative-tokens", "3")
+        assert out.returncode == 0, out.stderr
+        result, want = json.loads(out.stdout), json.loads(plain.stdout)
+        assert (result["text"], result["token_ids"]) == (want["text"], want["token_ids"])
+        stats = result["speculative"]
+        assert stats["proposed"] == 3 * stats["iterations"] > 0
+        assert stats["mean_accepted_length"] >= 1.0
+
+
+def test_cli_speculative_bad_flags_are_named():
+    for args, flag in ((("--speculative", "nope"), "--speculative"),
+                       (("--num-speculative-tokens", "2"), "--num-speculative-tokens"),
+                       (("--speculative", "prompt_lookup", "--num-speculative-tokens", "0"),
+                        "--num-speculative-tokens"),
+                       (("--speculative", "prompt_lookup", "--ngram-min", "3", "--ngram-max",
+                         "2"), "--ngram-min"),
+                       (("--speculative", "demo-draft", "--ngram-max", "2"), "--ngram-max")):
+        out = cli("generate", "--prompt", "x", *args)
+        assert out.returncode != 0 and out.stderr.startswith(flag + ":"), (args, out.stderr)
+        assert "Traceback" not in out.stderr
+    out = cli("serve", "--speculative", "prompt_lookup", "--record-dir", "records")
+    assert out.returncode != 0 and out.stderr.startswith("--record-dir:"), out.stderr
+
+
+def test_cli_speculative_draft_directory_and_vocabulary_check(tiny_hf_checkpoint):
+    tiny = str(tiny_hf_checkpoint("llama"))
+    out = cli("generate", "--model", tiny, "--prompt", "the quick", "--max-tokens", "6",
+              "--temperature", "0", "--json", "--speculative", tiny)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["speculative"]["iterations"] > 0
+    for args in (("--speculative", tiny), ("--model", tiny, "--speculative", "demo-draft")):
+        out = cli("generate", "--prompt", "x", *args)
+        assert out.returncode != 0 and out.stderr.startswith("--speculative:"), out.stderr
+        assert "tokenizer" in out.stderr and "Traceback" not in out.stderr

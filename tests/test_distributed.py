@@ -125,11 +125,11 @@ def test_follower_replays_the_leader_bit_for_bit(monkeypatch, tmp_path):
     rec = _Recorder(monkeypatch)
     channel = dist.QueueBroadcaster()
     applied: list = []
-    follower = threading.Thread(name="follower", target=lambda: applied.append(dist.run_follower(
-        model, params, channel, max_slots=3, max_len=128,
-        eos_token_ids=dist.engine_eos_ids(model, tok))))
-    follower.start()
     with jd.LLM(model, params, tok, max_slots=3, max_len=128, step_hook=channel) as llm:
+        follower = threading.Thread(name="follower", target=lambda: applied.append(
+            dist.run_follower(model, params, channel, max_slots=3, max_len=128,
+                              eos_token_ids=llm.eos_token_ids)))
+        follower.start()
         hs = [llm.submit("def main():", jd.SamplingParams(temperature=0, max_tokens=12)),
               llm.submit("x = ", jd.SamplingParams(seed=7, max_tokens=10, stop=("\n",))),
               llm.submit("name = '", jd.SamplingParams(
