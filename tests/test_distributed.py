@@ -253,13 +253,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _serve_cmd(pid: int, n: int, coord: int, http: int, mesh: str) -> list:
+    return [sys.executable, "-m", "jaxdecode.cli", "serve", "--model", "demo", "--port", str(http),
+            "--max-slots", "2", "--max-len", "128", "--distributed",
+            "--coordinator-address", f"127.0.0.1:{coord}", "--num-processes", str(n),
+            "--process-id", str(pid), "--mesh", mesh, "--log-level", "info"]
+
+
 def _serve(pid: int, n: int, coord: int, http: int, mesh: str, env: dict) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "jaxdecode.cli", "serve", "--model", "demo", "--port", str(http),
-           "--max-slots", "2", "--max-len", "128", "--distributed",
-           "--coordinator-address", f"127.0.0.1:{coord}", "--num-processes", str(n),
-           "--process-id", str(pid), "--mesh", mesh, "--log-level", "info"]
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(_serve_cmd(pid, n, coord, http, mesh), cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def _wait_http(url: str, procs: list, timeout: float = 300) -> None:
@@ -331,3 +334,19 @@ def test_coordinator_flags_all_three_or_none():
     assert args.distributed and args.coordinator_address is None and args.process_id is None
     with pytest.raises(SystemExit, match="give all three or none"):
         dist.initialize(args)
+
+
+@pytest.mark.skipif(not os.path.exists(DEMO_WEIGHTS), reason="demo weights are not present")
+def test_serve_distributed_bad_flag_exits_every_process():
+    """Each process builds the engine before the split: a bad flag ends all of them (no
+    follower is left waiting for a leader that never started)."""
+    coord, http = _free_port(), _free_port()
+    env = dict(_env(4), JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo")
+    procs = [subprocess.Popen(_serve_cmd(i, 2, coord, http, "data=2,model=4")
+                              + ["--speculative", "prompt_lookup"], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    codes = [p.wait(timeout=300) for p in procs]
+    errs = [p.stderr.read() for p in procs]
+    assert all(c not in (0, None) for c in codes), codes
+    assert all("--speculative" in e and "mesh" in e for e in errs), [e[-1000:] for e in errs]
