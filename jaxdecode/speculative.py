@@ -55,7 +55,28 @@ same priority (model error, grammar dead end / all masked, EOS, stop id, grammar
 max_tokens, context limit): the first token that ends the row ends the run, and no token past
 it is ever emitted.
 
-`num_branches > 1` (tree / multi-branch drafts) is not supported yet and raises ValueError.
+Branches (`num_branches`, greedy rows only)
+-------------------------------------------
+`num_branches = N > 1` proposes N continuations per row and verifies them together. Proposals:
+prompt lookup -- branch b continues the b-th most recent earlier match whose proposal differs
+from branches 0..b-1 (longest n-gram first, then the shorter ones, then the last token
+repeated: `_lookup`); a draft model -- branch b starts with the draft's b-th most likely first
+token under its processed (masked) q and continues greedily, the draft's scan `vmap`ped over
+the branch axis. Branch 0 is the single-branch proposal. Verification: `target.forward` is
+`vmap`ped over the branch axis with the cache shared (in_axes None), so each branch writes its
+own k + 1 positions into its own copy of the cache, and the grammar path and counts are per
+branch. Greedy rule: branch b accepts j_b = the number of leading d_i equal to the target's
+argmax; the row takes the branch with the largest j_b (ties: the lowest b, so N = 1 is today's
+round) and emits its j_b tokens plus the argmax at j_b + 1 -- tokens that plain greedy decoding
+emits, so the output still equals it token for token. Stops, max_tokens, counts and grammar
+state then follow the chosen branch exactly as above. Cost: the chosen branch's caches (target
+and draft) are taken by a gather after the choice, one copy of each cache per round -- the
+price of beam search's reorder by gather; a research option, not a free speed-up.
+Sampled rows (temperature > 0) with N > 1 raise ValueError naming num_branches: the
+min(1, p/q) test is exact for ONE proposal per position; with several, accepting the best of N
+independently-tested branches over-represents drafted tokens. Exactness there needs a
+multi-draft rule (SpecInfer's / recursive rejection sampling: test the branches in turn against
+successively updated residuals), not implemented.
 """
 
 from __future__ import annotations
@@ -85,7 +106,7 @@ DRAFT, ACCEPT, RESAMPLE = 0, 1, 2  # key purposes
 class SpeculativeOutput(GenerateOutput):
     """GenerateOutput plus acceptance counters, per row (int64[B]):
 
-    proposed: draft tokens proposed (k per verify pass); accepted: draft tokens emitted;
+    proposed: draft tokens proposed (k per branch per verify pass); accepted: draft tokens emitted;
     target_tokens: tokens drawn from the target (residual or bonus); iterations: verify passes.
     accepted + target_tokens == number of tokens selected. `mean_accepted_length`: tokens
     selected per verify pass over all rows (1.0 = no speed-up from the draft)."""
