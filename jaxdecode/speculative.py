@@ -537,7 +537,8 @@ def speculative_generate(target: DecoderModel, target_params: Any,
                          f"got {ngram_min}, {ngram_max}")
     rows_in = [sampling] * len(prompt_ids) if isinstance(sampling, SamplingParams) else list(sampling)
     for sp in rows_in:
-        check_branches_greedy(num_branches, sp)
+        if isinstance(sp, SamplingParams):  # decode.prepare names any other bad value
+            check_branches_greedy(num_branches, sp)
     state, rows_sp, n = decode.prepare(target, target_params, prompt_ids, sampling, None, key,
                                        tokenizer=tokenizer)
     b = len(rows_sp)
