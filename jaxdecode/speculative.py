@@ -522,6 +522,8 @@ def speculative_generate(target: DecoderModel, target_params: Any,
     ignored). Each row's length comes from its max_tokens, its randomness from its seed (`key`
     serves rows with seed=None, as in `generate`); `n > 1` gives n adjacent rows as in
     `generate`; `tokenizer` is needed when a row has a response_format (as in `generate`).
+    `num_branches` > 1: that many draft continuations per row verified together, greedy rows
+    only (a sampled row raises ValueError; the module docstring's Branches section).
     Returns a SpeculativeOutput (GenerateOutput + `stats`)."""
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"k: must be an integer >= 1, got {k!r}")
