@@ -311,6 +311,8 @@ class LLM:
             raise ValueError("n: submit() and stream() take one sample; use generate() for n > 1")
         prompt_ids = self._encode(prompt)
         sp.check_vocab(self.model.config.vocab_size)
+        if self._spec is not None and sp.num_beams == 1:  # beams take the beam lane
+            self._spec.config.check_request(sp)
         grammar = None
         if sp.response_format is not None and sp.response_format.get("type") != "text":
             vocab = constraints.vocab_for(self.tokenizer, self.model.config.vocab_size,

@@ -55,7 +55,28 @@ same priority (model error, grammar dead end / all masked, EOS, stop id, grammar
 max_tokens, context limit): the first token that ends the row ends the run, and no token past
 it is ever emitted.
 
-`num_branches > 1` (tree / multi-branch drafts) is not supported yet and raises ValueError.
+Branches (`num_branches`, greedy rows only)
+-------------------------------------------
+`num_branches = N > 1` proposes N continuations per row and verifies them together. Proposals:
+prompt lookup -- branch b continues the b-th most recent earlier match whose proposal differs
+from branches 0..b-1 (longest n-gram first, then the shorter ones, then the last token
+repeated: `_lookup`); a draft model -- branch b starts with the draft's b-th most likely first
+token under its processed (masked) q and continues greedily, the draft's scan `vmap`ped over
+the branch axis. Branch 0 is the single-branch proposal. Verification: `target.forward` is
+`vmap`ped over the branch axis with the cache shared (in_axes None), so each branch writes its
+own k + 1 positions into its own copy of the cache, and the grammar path and counts are per
+branch. Greedy rule: branch b accepts j_b = the number of leading d_i equal to the target's
+argmax; the row takes the branch with the largest j_b (ties: the lowest b, so N = 1 is today's
+round) and emits its j_b tokens plus the argmax at j_b + 1 -- tokens that plain greedy decoding
+emits, so the output still equals it token for token. Stops, max_tokens, counts and grammar
+state then follow the chosen branch exactly as above. Cost: the chosen branch's caches (target
+and draft) are taken by a gather after the choice, one copy of each cache per round -- the
+price of beam search's reorder by gather; a research option, not a free speed-up.
+Sampled rows (temperature > 0) with N > 1 raise ValueError naming num_branches: the
+min(1, p/q) test is exact for ONE proposal per position; with several, accepting the best of N
+independently-tested branches over-represents drafted tokens. Exactness there needs a
+multi-draft rule (SpecInfer's / recursive rejection sampling: test the branches in turn against
+successively updated residuals), not implemented.
 """
 
 from __future__ import annotations
@@ -85,7 +106,7 @@ DRAFT, ACCEPT, RESAMPLE = 0, 1, 2  # key purposes
 class SpeculativeOutput(GenerateOutput):
     """GenerateOutput plus acceptance counters, per row (int64[B]):
 
-    proposed: draft tokens proposed (k per verify pass); accepted: draft tokens emitted;
+    proposed: draft tokens proposed (k per branch per verify pass); accepted: draft tokens emitted;
     target_tokens: tokens drawn from the target (residual or bonus); iterations: verify passes.
     accepted + target_tokens == number of tokens selected. `mean_accepted_length`: tokens
     selected per verify pass over all rows (1.0 = no speed-up from the draft)."""
@@ -122,30 +143,54 @@ def _accept_uniforms(rows: RowParams, t_idx: Array) -> Array:
                         lambda _: jnp.zeros(t_idx.shape, jnp.float32), draw, None)
 
 
-def _rowwise(mask: Array, token: Array) -> Array:
-    return jnp.take_along_axis(mask, token[:, None], axis=-1)[:, 0]
+def _pick(x: Array, chosen: Array, axis: int = 0) -> Array:
+    """x[chosen[r]] for every row r: x has a leading branch axis, then its own shape with the
+    rows on `axis`."""
+    x = jnp.moveaxis(x, axis + 1, 1)
+    return jnp.moveaxis(x[chosen, jnp.arange(x.shape[1])], 0, axis)
 
 
-def _lookup(hist: Array, length: Array, k: int, ngrams: tuple) -> Array:
-    """Prompt-lookup proposals int32[B, k] from the history (prompt + output, length L)."""
+def _pick_cache(cache: Any, chosen: Array) -> Any:
+    """The chosen branch's KVCache of each row (k, v: rows on axis 1) -- a gather, so one copy
+    of the cache per round, the price of beam search's reorder."""
+    return cache.replace(k=_pick(cache.k, chosen, 1), v=_pick(cache.v, chosen, 1),
+                         lengths=_pick(cache.lengths, chosen))
+
+
+def _lookup(hist: Array, length: Array, k: int, ngrams: tuple, branches: int = 1) -> Array:
+    """Prompt-lookup proposals int32[branches, B, k] from the history (prompt + output, length L).
+
+    A candidate is a position c < L right after an earlier occurrence of the last n tokens
+    (n in `ngrams`), ranked by its longest such n, then by recency (the largest c); its proposal
+    is s[c:L] repeated periodically to k tokens. Branch b takes the best candidate whose proposal
+    differs from those of branches 0..b-1 (the b-th most recent distinct match, longest n-gram
+    first), the last token repeated when none is left; branch 0 is the single-branch proposal."""
     b, h = hist.shape
-    j = jnp.arange(h)[None, :]
-    start = length - 1                       # fallback: repeat the last token
-    found = jnp.zeros((b,), bool)
+    c = jnp.arange(h)[None, :]
+    rank = jnp.zeros((b, h), jnp.int32)      # the longest n matching right before c, 0: none
     for n in ngrams:                         # longest n-gram first
         gram = jnp.take_along_axis(hist, jnp.clip(length[:, None] - n + jnp.arange(n), 0), 1)
-        padded = jnp.pad(hist, ((0, 0), (0, n)), constant_values=-1)
-        match = jnp.ones((b, h), bool)
+        shifted = jnp.pad(hist, ((0, 0), (n, 0)), constant_values=-1)
+        match = c <= (length - 1)[:, None]   # an earlier occurrence only
         for a in range(n):
-            match &= padded[:, a: a + h] == gram[:, a: a + 1]
-        match &= j <= (length - n - 1)[:, None]          # an earlier occurrence only
-        last = jnp.max(jnp.where(match, j, -1), axis=1)
-        take = ~found & (last >= 0)
-        start = jnp.where(take, last + n, start)
-        found |= take
-    period = jnp.maximum(length - start, 1)
-    idx = start[:, None] + jnp.arange(k)[None, :] % period[:, None]
-    return jnp.take_along_axis(hist, jnp.clip(idx, 0, h - 1), axis=1)
+            match &= shifted[:, a: a + h] == gram[:, a: a + 1]
+        rank = jnp.where((rank == 0) & match, n, rank)
+    score = jnp.where(rank > 0, rank * h + c, -1)
+
+    def proposal(start):                     # int32[B, ...] -> [B, ..., k]
+        period = jnp.maximum(length.reshape((b,) + (1,) * (start.ndim - 1)) - start, 1)
+        idx = start[..., None] + jnp.arange(k) % period[..., None]
+        return jnp.take_along_axis(hist, jnp.clip(idx, 0, h - 1).reshape(b, -1),
+                                   axis=1).reshape(idx.shape)
+
+    every = proposal(jnp.broadcast_to(c, (b, h))) if branches > 1 else None   # [B, H, k]
+    out = []
+    for _ in range(branches):
+        start = jnp.where(jnp.max(score, 1) >= 0, jnp.argmax(score, 1), length - 1)
+        out.append(proposal(start))
+        if every is not None:                # later branches skip this proposal
+            score = jnp.where(jnp.all(every == out[-1][:, None, :], -1), -1, score)
+    return jnp.stack(out)
 
 
 @struct.dataclass
@@ -219,7 +264,7 @@ class RoundOutput:
 
 def spec_round(target: DecoderModel, tparams: Any, draft: Optional[DecoderModel], dparams: Any,
                k: int, ngrams: tuple, s: SpecState, kv_len: Optional[int] = None,
-               top_logprobs: int = 0) -> tuple[SpecState, RoundOutput]:
+               top_logprobs: int = 0, num_branches: int = 1) -> tuple[SpecState, RoundOutput]:
     """One verify round over every live row (the module docstring's algorithm): propose k
     tokens (the draft model, or prompt lookup when `draft` is None), verify them in one target
     forward of k + 1 positions, emit 1..k+1 tokens per row, roll back caches and grammar state.
@@ -228,8 +273,11 @@ def spec_round(target: DecoderModel, tparams: Any, draft: Optional[DecoderModel]
     (`jaxdecode.speculative_engine`): one loop body, two drivers. `kv_len` (static) bounds
     attention to the first kv_len cache positions, as in `decode.decode_step`; the caller
     guarantees every live row's L + k stays below it. `top_logprobs` (static): how many raw
-    top log-probabilities to report per position."""
+    top log-probabilities to report per position. `num_branches` (static): draft continuations
+    per row verified together (the module docstring); above 1 every live row must be greedy
+    (`speculative_generate` and the engine check it)."""
     rows = s.rows
+    nb = num_branches
     b, v = s.counts.shape
     greedy = rows.temperature == 0
     max_len = s.tcache.max_len
@@ -249,6 +297,11 @@ def spec_round(target: DecoderModel, tparams: Any, draft: Optional[DecoderModel]
     process_each = jax.vmap(process_one, in_axes=(1, 1, 1, 1, 1 if constrained else None),
                             out_axes=1)
 
+    def branched(fn):
+        """fn over one branch; with several, vmapped over the leading branch axis of its
+        arguments (what it closes over -- the caches, the rows -- is shared, in_axes None)."""
+        return jax.vmap(fn) if nb > 1 else fn
+
     def propose_with_model():
         hist, lag = s.hist, s.lag & live
         last = jnp.take_along_axis(hist, (length - 1)[:, None], 1)[:, 0]
@@ -259,69 +312,87 @@ def spec_round(target: DecoderModel, tparams: Any, draft: Optional[DecoderModel]
         n_in = jnp.where(live, 1 + lag, 0).astype(jnp.int32)
         logits, dcache = draft.forward(dparams, toks, pos, s.dcache, lengths=n_in, **extra(draft))
         logit = jnp.take_along_axis(logits, jnp.maximum(n_in - 1, 0)[:, None, None], 1)[:, 0]
+        # the draft proposes under the grammar mask, with its own copy of the state
+        lq_1 = process_one(logit.astype(jnp.float32), s.counts, s.seen, step, s.grammar_state)
+        if nb == 1:
+            d_1 = _select(lq_1, rows, step + 1, DRAFT)
+        else:  # greedy rows only: branch b starts with the draft's b-th most likely token
+            d_1 = jax.lax.top_k(lq_1, nb)[1].T.astype(jnp.int32)         # [nb, B]
 
-        def sample(logit, counts, seen, g, i):
-            # the draft proposes under the grammar mask, with its own copy of the state
-            lq = process_one(logit.astype(jnp.float32), counts, seen, step + i - 1, g)
-            d = _select(lq, rows, step + i, DRAFT)
-            g = constraints.next_state(gtables, g, d) if constrained else g
-            return d, lq, g
-
-        def draft_step(carry, i):
-            logit, counts, seen, g, dcache = carry
-            d, lq, g = sample(logit, counts, seen, g, i)
+        def advance(d, counts, seen, g):
             counts = counts.at[jnp.arange(b), d].add(live.astype(jnp.int32))
             seen = seen.at[jnp.arange(b), d].max(live)
+            return counts, seen, constraints.next_state(gtables, g, d) if constrained else g
+
+        def draft_step(carry, i):  # write d_i, propose d_{i+1}
+            d, counts, seen, g, dcache = carry
             logits, dcache = draft.forward(dparams, d[:, None], (length + i - 1)[:, None],
                                            dcache, lengths=live.astype(jnp.int32),
                                            **extra(draft))
-            return (logits[:, 0], counts, seen, g, dcache), (d, lq)
+            lq = process_one(logits[:, 0].astype(jnp.float32), counts, seen, step + i, g)
+            d = _select(lq, rows, step + i + 1, DRAFT)
+            return (d, *advance(d, counts, seen, g), dcache), (d, lq)
 
-        (logit, counts, seen, g, dcache), (ds, lqs) = jax.lax.scan(
-            draft_step, (logit, s.counts, s.seen, s.grammar_state, dcache),
-            jnp.arange(1, k, dtype=jnp.int32))
-        d_k, lq_k, _ = sample(logit, counts, seen, g, k)
-        d = jnp.concatenate([ds.T.reshape(b, k - 1), d_k[:, None]], 1)
-        lq = jnp.concatenate([lqs.transpose(1, 0, 2).reshape(b, k - 1, v), lq_k[:, None]], 1)
-        return d, lq, dcache
+        def continue_branch(d_1):  # d_2 .. d_k after d_1, the draft cache shared on entry
+            carry = (d_1, *advance(d_1, s.counts, s.seen, s.grammar_state), dcache)
+            carry, (ds, lqs) = jax.lax.scan(draft_step, carry, jnp.arange(1, k, dtype=jnp.int32))
+            d = jnp.concatenate([d_1[:, None], ds.T.reshape(b, k - 1)], 1)
+            lq = jnp.concatenate([lq_1[:, None], lqs.transpose(1, 0, 2).reshape(b, k - 1, v)], 1)
+            return d, lq, carry[-1]
+
+        return branched(continue_branch)(d_1)
 
     if draft is None:
-        d = _lookup(s.hist, length, k, ngrams)
+        d = _lookup(s.hist, length, k, ngrams, nb)
+        d, lq, dcache = d[0] if nb == 1 else d, None, None
+    else:
+        d, lq, dcache = propose_with_model()
+
+    last = jnp.take_along_axis(s.hist, (length - 1)[:, None], 1)[:, 0]
+
+    def verify(d):
+        """One branch: the target forward of [s[-1], d_1 .. d_k] (writing its k + 1 positions)
+        and the processed p_1 .. p_{k+1}, with counts advanced through the proposed run."""
+        toks = jnp.concatenate([last[:, None], d], 1)
+        pos = (length - 1)[:, None] + jnp.arange(k + 1)[None, :]
+        tlogits, tcache = target.forward(tparams, toks, pos, s.tcache,
+                                         lengths=jnp.where(live, k + 1, 0).astype(jnp.int32),
+                                         **extra(target))
+        tlogits = tlogits.astype(jnp.float32)
+        onehot = jax.nn.one_hot(d, v, dtype=jnp.int32)
+        before = jnp.concatenate([jnp.zeros((b, 1, v), jnp.int32), jnp.cumsum(onehot, 1)], 1)
+        counts_all = s.counts[:, None] + before
+        seen_all = s.seen[:, None] | (before > 0)
+        steps_all = step[:, None] + jnp.arange(k + 1)[None, :]
+        # grammar: position i is masked with the state after d_1 .. d_{i-1}
+        path = constraints.state_path(gtables, s.grammar_state, d) if constrained else None
+        lp = process_each(tlogits, counts_all, seen_all, steps_all, path)  # [B, k+1, V]
+        return tlogits, tcache, lp, path, jnp.argmax(lp, -1).astype(jnp.int32)
+
+    tlogits, tcache, lp, path, best = branched(verify)(d)
+    if nb > 1:  # greedy: the branch with the longest accepted run (ties: the lowest b)
+        runs = jnp.sum(jnp.cumprod((d == best[..., :k]).astype(jnp.int32), -1), -1)  # [nb, B]
+        chosen = jnp.argmax(runs, 0)
+        d, lq, tlogits, lp, path, best = jax.tree.map(
+            lambda x: _pick(x, chosen), (d, lq, tlogits, lp, path, best))
+        tcache = _pick_cache(tcache, chosen)
+        dcache = None if dcache is None else _pick_cache(dcache, chosen)
+
+    if lq is None:  # prompt lookup: q = one-hot
         lq_d = jnp.zeros((b, k), jnp.float32)
         q_at = lambda j: jax.nn.one_hot(jnp.take_along_axis(  # noqa: E731
             jnp.pad(d, ((0, 0), (0, 1)), constant_values=v), j[:, None], 1)[:, 0], v)
-        dcache = None
     else:
-        d, lq, dcache = propose_with_model()
         lq_d = jnp.take_along_axis(lq, d[:, :, None], 2)[:, :, 0]
         q_at = lambda j: jnp.exp(jnp.take_along_axis(  # noqa: E731
             jnp.pad(lq, ((0, 0), (0, 1), (0, 0)), constant_values=-jnp.inf),
             j[:, None, None], 1)[:, 0])
-
-    # target: one forward of [s[-1], d_1 .. d_k]
-    last = jnp.take_along_axis(s.hist, (length - 1)[:, None], 1)[:, 0]
-    toks = jnp.concatenate([last[:, None], d], 1)
-    pos = (length - 1)[:, None] + jnp.arange(k + 1)[None, :]
-    tlogits, tcache = target.forward(tparams, toks, pos, s.tcache,
-                                     lengths=jnp.where(live, k + 1, 0).astype(jnp.int32),
-                                     **extra(target))
-    tlogits = tlogits.astype(jnp.float32)
-    # processed p_1 .. p_{k+1}, with counts advanced through the proposed run
-    onehot = jax.nn.one_hot(d, v, dtype=jnp.int32)
-    before = jnp.concatenate([jnp.zeros((b, 1, v), jnp.int32), jnp.cumsum(onehot, 1)], 1)
-    counts_all = s.counts[:, None] + before
-    seen_all = s.seen[:, None] | (before > 0)
-    steps_all = step[:, None] + jnp.arange(k + 1)[None, :]
-    # grammar: position i is masked with the state after d_1 .. d_{i-1}
-    path = constraints.state_path(gtables, s.grammar_state, d) if constrained else None
-    lp = process_each(tlogits, counts_all, seen_all, steps_all, path)  # [B, k+1, V]
 
     # accept / reject
     lp_d = jnp.take_along_axis(lp[:, :k], d[:, :, None], 2)[:, :, 0]
     t_idx = step[:, None] + jnp.arange(1, k + 1)[None, :]
     u = _accept_uniforms(rows, t_idx)                                    # [B, k]
     ratio = jnp.exp(jnp.minimum(lp_d - lq_d, 0.0))
-    best = jnp.argmax(lp, -1).astype(jnp.int32)                          # [B, k+1]
     ok = jnp.where(greedy[:, None], d == best[:, :k], (u < ratio) & jnp.isfinite(lq_d))
     j = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)     # accepted, 0..k
 
@@ -384,7 +455,7 @@ def spec_round(target: DecoderModel, tparams: Any, draft: Optional[DecoderModel]
     out = s.replace(hist=hist, lpbuf=lpbuf, length=new_length, step=step + n_emit,
                     counts=s.counts + add, seen=s.seen | (add > 0), tcache=tcache,
                     done=s.done | ended, finish=jnp.where(ended, finish, s.finish),
-                    proposed=s.proposed + k * live, accepted=s.accepted + accepted,
+                    proposed=s.proposed + k * nb * live, accepted=s.accepted + accepted,
                     target_tokens=s.target_tokens + (live & (n_emit == j + 1)),
                     iterations=s.iterations + live)
     if constrained:  # the state after the last emitted token; ended rows keep theirs
@@ -402,21 +473,40 @@ def spec_round(target: DecoderModel, tparams: Any, draft: Optional[DecoderModel]
     return out, report
 
 
-@functools.partial(jax.jit, static_argnums=(0, 2, 4, 5))
+@functools.partial(jax.jit, static_argnums=(0, 2, 4, 5, 8))
 def _spec_loop(target, tparams, draft, dparams, k: int, ngrams: tuple, init: SpecState,
-               max_iters: Array) -> SpecState:
+               max_iters: Array, num_branches: int) -> SpecState:
     """The while-loop driver of `spec_round`: rounds until every row is done (or max_iters).
     The grammar tables are loop constants, outside the carry."""
     tables = init.grammar
 
     def body(carry):
         it, s = carry
-        s, _ = spec_round(target, tparams, draft, dparams, k, ngrams, s.replace(grammar=tables))
+        s, _ = spec_round(target, tparams, draft, dparams, k, ngrams, s.replace(grammar=tables),
+                          num_branches=num_branches)
         return it + 1, s.replace(grammar=None)
 
     _, out = jax.lax.while_loop(lambda c: ~jnp.all(c[1].done) & (c[0] < max_iters), body,
                                 (jnp.int32(0), init.replace(grammar=None)))
     return out
+
+
+def check_num_branches(num_branches: Any, vocab_size: int, field: str = "num_branches") -> None:
+    """ValueError naming `field` unless 1 <= num_branches <= vocab_size (an integer)."""
+    if (isinstance(num_branches, bool) or not isinstance(num_branches, int)
+            or not 1 <= num_branches <= vocab_size):
+        raise ValueError(f"{field}: must be an integer in [1, {vocab_size}] (the vocabulary), "
+                         f"got {num_branches!r}")
+
+
+def check_branches_greedy(num_branches: int, sp: SamplingParams) -> None:
+    """ValueError naming num_branches for a sampled row (temperature > 0) with several branches:
+    min(1, p/q) is exact for one proposal per position; several need a multi-draft rule."""
+    if num_branches > 1 and sp.temperature > 0:
+        raise ValueError(f"num_branches: {num_branches} branches need greedy rows "
+                         f"(temperature 0), got temperature {sp.temperature}; the min(1, p/q) "
+                         f"acceptance is exact for one draft only (several need a multi-draft "
+                         f"rule such as SpecInfer's recursive rejection sampling)")
 
 
 def speculative_generate(target: DecoderModel, target_params: Any,
@@ -432,12 +522,12 @@ def speculative_generate(target: DecoderModel, target_params: Any,
     ignored). Each row's length comes from its max_tokens, its randomness from its seed (`key`
     serves rows with seed=None, as in `generate`); `n > 1` gives n adjacent rows as in
     `generate`; `tokenizer` is needed when a row has a response_format (as in `generate`).
+    `num_branches` > 1: that many draft continuations per row verified together, greedy rows
+    only (a sampled row raises ValueError; the module docstring's Branches section).
     Returns a SpeculativeOutput (GenerateOutput + `stats`)."""
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"k: must be an integer >= 1, got {k!r}")
-    if num_branches != 1:
-        raise ValueError(f"num_branches: only 1 is supported (multi-branch drafts are not "
-                         f"implemented yet), got {num_branches!r}")
+    check_num_branches(num_branches, target.config.vocab_size)
     lookup = isinstance(draft, str)
     if lookup and draft != PROMPT_LOOKUP:
         raise ValueError(f"draft: a DecoderModel or {PROMPT_LOOKUP!r}, got {draft!r}")
@@ -448,6 +538,9 @@ def speculative_generate(target: DecoderModel, target_params: Any,
         raise ValueError(f"ngram_min: must satisfy 1 <= ngram_min <= ngram_max, "
                          f"got {ngram_min}, {ngram_max}")
     rows_in = [sampling] * len(prompt_ids) if isinstance(sampling, SamplingParams) else list(sampling)
+    for sp in rows_in:
+        if isinstance(sp, SamplingParams):  # decode.prepare names any other bad value
+            check_branches_greedy(num_branches, sp)
     state, rows_sp, n = decode.prepare(target, target_params, prompt_ids, sampling, None, key,
                                        tokenizer=tokenizer)
     b = len(rows_sp)
@@ -483,7 +576,8 @@ def speculative_generate(target: DecoderModel, target_params: Any,
         init = init.replace(dcache=dcache, lag=jnp.zeros((b,), bool))
     ngrams = tuple(range(ngram_max, ngram_min - 1, -1))
     c = _spec_loop(target, target_params, None if lookup else draft,
-                   None if lookup else draft_params, k, ngrams, init, jnp.int32(n + 1))
+                   None if lookup else draft_params, k, ngrams, init, jnp.int32(n + 1),
+                   num_branches)
 
     finish = np.asarray(c.finish)
     step = np.asarray(c.step)

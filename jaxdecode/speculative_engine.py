@@ -3,7 +3,9 @@ engine step one `speculative.spec_round` over all slots -- the same round as the
 `speculative_generate`'s while loop (one loop body, two drivers).
 
 Option: `speculative={"draft": (draft_model, draft_params) | "prompt_lookup", "k": 4,
-"ngram_max": 3, "ngram_min": 1}` (the n-gram bounds serve prompt lookup); a bad value raises
+"ngram_max": 3, "ngram_min": 1, "num_branches": 1}` (the n-gram bounds serve prompt lookup;
+num_branches > 1 verifies that many draft continuations per row together, greedy requests only:
+a sampled request then raises ValueError naming num_branches at submit); a bad value raises
 ValueError naming the field (`speculative.draft`, `speculative.k`, ...). The draft must share
 the target's vocabulary and hold at least `max_len` positions.
 
@@ -43,7 +45,8 @@ import numpy as np
 from jaxdecode import decode
 from jaxdecode.config import SamplingParams
 from jaxdecode.model_api import DecoderModel
-from jaxdecode.speculative import PROMPT_LOOKUP, RoundOutput, SpecState, spec_round
+from jaxdecode.speculative import (PROMPT_LOOKUP, RoundOutput, SpecState, check_branches_greedy,
+                                   check_num_branches, spec_round)
 from jaxdecode.state import RowParams
 
 COUNTERS = ("proposed", "accepted", "target_tokens", "iterations")
@@ -57,16 +60,17 @@ class SpeculativeConfig:
     draft_params: Any
     k: int
     ngrams: tuple
+    num_branches: int = 1
 
     @classmethod
     def parse(cls, option: Any, target: DecoderModel, max_len: int) -> "SpeculativeConfig":
         if not isinstance(option, dict):
             raise ValueError(f"speculative: expected a dict with 'draft' and 'k', got "
                              f"{type(option).__name__}")
-        unknown = sorted(set(option) - {"draft", "k", "ngram_max", "ngram_min"})
+        unknown = sorted(set(option) - {"draft", "k", "ngram_max", "ngram_min", "num_branches"})
         if unknown:
             raise ValueError(f"speculative.{unknown[0]}: unknown option (expected draft, k, "
-                             f"ngram_max, ngram_min)")
+                             f"ngram_max, ngram_min, num_branches)")
         if "draft" not in option:
             raise ValueError("speculative.draft: required, (draft_model, draft_params) or "
                              f"{PROMPT_LOOKUP!r}")
@@ -98,8 +102,14 @@ class SpeculativeConfig:
                              f"{values['ngram_min']} > {values['ngram_max']}")
         if values["k"] + 2 > max_len:
             raise ValueError(f"speculative.k: {values['k']} leaves no room in max_len {max_len}")
+        num_branches = option.get("num_branches", 1)
+        check_num_branches(num_branches, target.config.vocab_size, "speculative.num_branches")
         return cls(draft, draft_params, values["k"],
-                   tuple(range(values["ngram_max"], values["ngram_min"] - 1, -1)))
+                   tuple(range(values["ngram_max"], values["ngram_min"] - 1, -1)), num_branches)
+
+    def check_request(self, sp: SamplingParams) -> None:
+        """ValueError naming num_branches for a sampled request when num_branches > 1."""
+        check_branches_greedy(self.num_branches, sp)
 
 
 # -- device side ---------------------------------------------------------------------------------
@@ -186,13 +196,13 @@ def set_flags(state: SpecState, release: jax.Array, paused: jax.Array) -> SpecSt
 
 
 def _round_shared_tables(target, tparams, draft, dparams, k, ngrams, state, kv_len, top_k,
-                         tables):
+                         tables, num_branches):
     state, out = spec_round(target, tparams, draft, dparams, k, ngrams,
-                            state.replace(grammar=tables), kv_len, top_k)
+                            state.replace(grammar=tables), kv_len, top_k, num_branches)
     return state.replace(grammar=None), out
 
 
-_round_jit = jax.jit(_round_shared_tables, static_argnums=(0, 2, 4, 5, 7, 8),
+_round_jit = jax.jit(_round_shared_tables, static_argnums=(0, 2, 4, 5, 7, 8, 10),
                      donate_argnums=(6,))
 
 
@@ -228,7 +238,8 @@ class SpeculativeRunner:
         cfg = self.config
         tables = state.grammar
         state, out = _round_jit(self.target, self.params, cfg.draft, cfg.draft_params, cfg.k,
-                                cfg.ngrams, state.replace(grammar=None), kv_len, top_k, tables)
+                                cfg.ngrams, state.replace(grammar=None), kv_len, top_k, tables,
+                                cfg.num_branches)
         return state.replace(grammar=tables), out
 
     def kv_needed(self, r: Any) -> int:
@@ -241,8 +252,8 @@ class SpeculativeRunner:
         emitted, accepted = int(out.count[slot]), int(out.accepted[slot])
         if emitted == 0:
             return
-        add = {"proposed": self.k, "accepted": accepted, "target_tokens": emitted - accepted,
-               "iterations": 1}
+        add = {"proposed": self.k * self.config.num_branches, "accepted": accepted,
+               "target_tokens": emitted - accepted, "iterations": 1}
         mine = r.speculative if r.speculative is not None else dict.fromkeys(COUNTERS, 0)
         for name, value in add.items():
             self.totals[name] += value

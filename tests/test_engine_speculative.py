@@ -78,6 +78,25 @@ def test_engine_speculative_greedy_equals_plain_engine(tok, models_, kind):
     # counters add up: every selected token is an accepted proposal or a target token
     assert stats["accepted"] + stats["target_tokens"] == sum(len(c.token_ids) for c in got)
     assert stats["proposed"] == 3 * stats["iterations"]
+
+
+@pytest.mark.parametrize("kind", ["draft", LOOKUP])
+def test_engine_speculative_branches_greedy_equals_plain_engine(tok, models_, kind):
+    """num_branches=2: greedy output unchanged, counters add up, sampled requests refused."""
+    (tm, tp), (dm, dp) = models_
+    params = [greedy(n, ignore_eos=i % 2 == 0) for i, n in enumerate([20, 13, 7, 25, 9])]
+    with jd.LLM(tm, tp, tok, max_slots=3, max_len=128) as llm:
+        want = run_staggered(llm, PROMPTS, params)
+    option = {"draft": (dm, dp) if kind == "draft" else LOOKUP, "k": 3, "num_branches": 2}
+    with jd.LLM(tm, tp, tok, max_slots=3, max_len=128, speculative=option) as llm:
+        got = run_staggered(llm, PROMPTS, params)
+        stats = llm.speculative_stats()
+        with pytest.raises(ValueError, match="^num_branches.*temperature"):
+            llm.submit([5, 6], jd.SamplingParams(max_tokens=4, seed=1))
+    for w, g in zip(want, got):
+        assert (g.token_ids, g.text, g.finish_reason) == (w.token_ids, w.text, w.finish_reason)
+    assert stats["accepted"] + stats["target_tokens"] == sum(len(c.token_ids) for c in got)
+    assert stats["proposed"] == 3 * 2 * stats["iterations"]
     assert stats["mean_accepted_length"] >= 1.0
     per_request = [c.timings["speculative"] for c in got]
     for name in ("proposed", "accepted", "target_tokens", "iterations"):
@@ -224,6 +243,8 @@ def test_engine_speculative_bad_options_name_the_field(s4):
              ({"draft": LOOKUP, "k": 0}, "speculative.k"),
              ({"draft": LOOKUP, "k": True}, "speculative.k"),
              ({"draft": LOOKUP, "ngram_min": 4}, "speculative.ngram_min"),
+             ({"draft": LOOKUP, "num_branches": 0}, "speculative.num_branches"),
+             ({"draft": LOOKUP, "num_branches": 2.0}, "speculative.num_branches"),
              ({"draft": LOOKUP, "depth": 2}, "speculative.depth"),
              ("prompt_lookup", "speculative")]
     for option, field in cases:

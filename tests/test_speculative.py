@@ -1,7 +1,7 @@
 """SPEC §10 speculative decoding: greedy output equals the target's greedy output (draft model,
-the target as its own draft, prompt lookup), the sampled distribution equals the target's
-(chi-square over thousands of seeded rows), acceptance counters add up, and no token past an
-ending is ever emitted."""
+the target as its own draft, prompt lookup; one branch or several), the sampled distribution
+equals the target's (chi-square over thousands of seeded rows), acceptance counters add up, and
+no token past an ending is ever emitted."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import pytest
 
 import jaxdecode as jd
 from models import Llama, LlamaConfig
+from jaxdecode.model_api import ModelConfig
 from tests.scripted import Bigram, ScriptedModel
 
 EOS = 1
@@ -46,10 +47,10 @@ ROWS = [greedy(20), greedy(13, ignore_eos=True), greedy(7, min_tokens=3),
         greedy(11, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.2)]
 
 
-def check_counters(out, k):
+def check_counters(out, k, branches=1):
     s = out.stats
     np.testing.assert_array_equal(s["accepted"] + s["target_tokens"], out.lengths)
-    np.testing.assert_array_equal(s["proposed"], k * s["iterations"])
+    np.testing.assert_array_equal(s["proposed"], k * branches * s["iterations"])
     assert np.all(s["accepted"] <= s["proposed"]) and np.all(s["target_tokens"] <= s["iterations"])
 
 
@@ -94,10 +95,74 @@ def test_speculative_no_overshoot_past_eos_stop_or_max_tokens():
             assert out.stats["accepted"][0] == 3 and out.stats["target_tokens"][0] == 0
 
 
+# -- branches (greedy only) ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["draft", LOOKUP])
+def test_speculative_branches_greedy_equals_target_greedy(target, draft, kind):
+    tm, tp = target
+    dm, dp = draft if kind == "draft" else (LOOKUP, None)
+    want = jd.generate(tm, tp, PROMPTS, ROWS)
+    one = jd.speculative_generate(tm, tp, dm, dp, PROMPTS, ROWS, k=3)
+    for nb in (2, 3):
+        out = jd.speculative_generate(tm, tp, dm, dp, PROMPTS, ROWS, k=3, num_branches=nb)
+        np.testing.assert_array_equal(out.token_ids, want.token_ids)
+        assert out.finish_reasons == want.finish_reasons
+        np.testing.assert_allclose(out.logprobs, want.logprobs, atol=1e-4)
+        check_counters(out, 3, nb)
+        # branch 0 is the single-branch proposal: more branches never accept less per round
+        assert out.stats["mean_accepted_length"] >= one.stats["mean_accepted_length"]
+
+
+def test_speculative_branches_lookup_older_match_accepts_more():
+    # history 2 3 4 5 2 3 6 7 | 2: the last token 2 occurred at 0 and 4. The most recent match
+    # proposes 3 6 7 2 (one accepted), the older one 3 4 5 2, which the target follows.
+    script = [0] * 8 + [3, 4, 5, 2, 3] + [0] * 8      # after position p the target says script[p]
+    model = ScriptedModel.make(script)
+    prompt = [2, 3, 4, 5, 2, 3, 6, 7, 2]
+    stats = {}
+    for nb in (1, 2, 3):
+        out = jd.speculative_generate(model, {}, LOOKUP, None, [prompt], greedy(5), k=4,
+                                      num_branches=nb)
+        assert out.tokens(0) == [3, 4, 5, 2, 3]
+        check_counters(out, 4, nb)
+        stats[nb] = {n: int(out.stats[n][0]) for n in ("accepted", "target_tokens", "iterations")}
+    # 1 branch: round 1 accepts 3, the target says 4; round 2 (3-gram 2 3 4 at 0) accepts 5 2 3
+    assert stats[1] == {"accepted": 4, "target_tokens": 1, "iterations": 2}
+    # 2 branches: branch 1 proposes 3 4 5 2, all accepted, plus the bonus 3: one round
+    assert stats[2] == stats[3] == {"accepted": 4, "target_tokens": 1, "iterations": 1}
+
+
+def test_speculative_branches_draft_second_choice_accepts_more():
+    # target: x -> x + 1 (mod 8). The draft agrees except after 2, where it prefers 7 over 3.
+    def bigram(table):
+        cfg = ModelConfig(vocab_size=8, num_layers=1, num_heads=1, num_kv_heads=1, head_dim=1,
+                          max_len=64, eos_token_ids=())
+        return Bigram(cfg, tuple(map(tuple, table.tolist())))
+
+    nxt = 5.0 * np.roll(np.eye(8), 1, axis=1)
+    wrong = nxt.copy()
+    wrong[2] = 0.0
+    wrong[2, 7], wrong[2, 3] = 5.0, 3.0
+    tm, dm = bigram(nxt), bigram(wrong)
+    stats = {}
+    for nb in (1, 2):
+        out = jd.speculative_generate(tm, {}, dm, {}, [[2]], greedy(5), k=4, num_branches=nb)
+        assert out.tokens(0) == [3, 4, 5, 6, 7]
+        check_counters(out, 4, nb)
+        stats[nb] = {n: int(out.stats[n][0]) for n in ("accepted", "target_tokens", "iterations")}
+    # 1 branch: 7 0 1 2 is rejected at once (the target says 3), then 4 5 6 7 accepted
+    assert stats[1] == {"accepted": 4, "target_tokens": 1, "iterations": 2}
+    # 2 branches: branch 1 starts with the draft's second choice 3 -> 3 4 5 6, plus the bonus 7
+    assert stats[2] == {"accepted": 4, "target_tokens": 1, "iterations": 1}
+
+
 def test_speculative_bad_arguments_name_the_field(target):
     tm, tp = target
+    with pytest.raises(ValueError, match="^num_branches.*temperature"):  # exact for greedy only
+        jd.speculative_generate(tm, tp, tm, tp, [[1]], jd.SamplingParams(max_tokens=2),
+                                num_branches=2)
     with pytest.raises(ValueError, match="^num_branches"):
-        jd.speculative_generate(tm, tp, tm, tp, [[1]], greedy(2), num_branches=2)
+        jd.speculative_generate(tm, tp, tm, tp, [[1]], greedy(2), num_branches=0)
     with pytest.raises(ValueError, match="^k"):
         jd.speculative_generate(tm, tp, tm, tp, [[1]], greedy(2), k=0)
     small = ScriptedModel.make([0, 1], vocab_size=8)
@@ -222,12 +287,14 @@ def test_speculative_grammar_greedy_equals_target_and_samples_match():
     assert jd.FinishReason.GRAMMAR_COMPLETE in want.finish_reasons
     # the target as its own draft: whole runs are accepted, so every position of a pass is
     # masked with its own state along the path (a weak draft mostly tests position 1 only)
-    for dm_, dp_ in ((tm, tp), (dm, dp), (LOOKUP, None)):
-        out = jd.speculative_generate(tm, tp, dm_, dp_, prompts, rows, k=3, tokenizer=TINY_BYTES)
+    for dm_, dp_, nb in ((tm, tp, 1), (dm, dp, 1), (LOOKUP, None, 1), (dm, dp, 2),
+                         (LOOKUP, None, 2)):
+        out = jd.speculative_generate(tm, tp, dm_, dp_, prompts, rows, k=3, tokenizer=TINY_BYTES,
+                                      num_branches=nb)
         for r in range(len(prompts)):
             assert out.tokens(r) == want.tokens(r), r
         assert out.finish_reasons == want.finish_reasons
-        check_counters(out, 3)
+        check_counters(out, 3, nb)
         if dm_ is tm:
             assert out.stats["accepted"].sum() > out.stats["target_tokens"].sum()
     # sampled: every output is in the language (the residual keeps the mask), none overshoots
