@@ -285,8 +285,9 @@ def _wait_http(url: str, procs: list, timeout: float = 300) -> None:
 @pytest.mark.parametrize("processes", [1, 2])
 def test_serve_distributed_processes_on_cpu(processes):
     """`jaxdecode serve --distributed`: one process (a loopback), or two (process 0 serves HTTP,
-    process 1 follows; the mesh spans both; gloo CPU collectives) answer like jd.generate, and
-    SIGINT to process 0 stops the follower too."""
+    process 1 follows; the mesh spans both; gloo CPU collectives) answer greedy, sampled (n=2),
+    beam, and constrained requests with logprobs -- greedy and beams like the single-process
+    engine -- and SIGINT to process 0 stops the follower too."""
     import httpx
 
     import models
@@ -308,6 +309,14 @@ def test_serve_distributed_processes_on_cpu(processes):
         r3 = httpx.post(url + "/v1/completions", json=body, timeout=120)
         assert r3.status_code == 200 and len(r3.json()["choices"]) == 2, r3.text
         beams = [c["text"] for c in r3.json()["choices"]]
+        schema = {"type": "json_schema",
+                  "json_schema": {"name": "flag", "schema": {"type": "boolean"}}}
+        body = {"model": "demo", "prompt": "ok = ", "max_tokens": 8, "seed": 1, "logprobs": 2,
+                "response_format": schema}
+        r4 = httpx.post(url + "/v1/completions", json=body, timeout=120)
+        assert r4.status_code == 200, r4.text
+        assert r4.json()["choices"][0]["text"] in ("true", "false"), r4.text
+        assert r4.json()["choices"][0]["logprobs"]["top_logprobs"], r4.text
     finally:
         procs[0].send_signal(signal.SIGINT)
         codes = [p.wait(timeout=120) for p in procs]
