@@ -153,10 +153,10 @@ def decode_step(model: DecoderModel, params: Any, state: StepState, top_logprobs
     grammar = None if state.grammar is None else (state.grammar, state.grammar_state)
     logprobs = processors.process(state.logits, state.rows, state.counts, state.seen, state.step,
                                   grammar)
-    token = sampling_lib.select(logprobs, state.rows, t)
+    live = ~state.done & ~state.paused
+    token = sampling_lib.select(logprobs, state.rows, t, live)
     grammar_next = None if grammar is None else constraints.next_state(*grammar, token)
     finish = finish_codes(state, logprobs, token, grammar_next)
-    live = ~state.done & ~state.paused
     goes_on = live & (finish == RUNNING)
 
     extra = {"kv_len": kv_len} if kv_len is not None and accepts_kv_len(type(model)) else {}

@@ -7,6 +7,8 @@ temperature 0 take the argmax (the greedy branch).
 
 from __future__ import annotations
 
+from typing import Optional
+
 import jax
 import jax.numpy as jnp
 
@@ -30,10 +32,11 @@ def inverse_cdf(key: Array, logprobs: Array) -> Array:
     return jnp.minimum(jnp.searchsorted(cdf, u, side="right"), logprobs.shape[-1] - 1)
 
 
-def select(logprobs: Array, rows: RowParams, t: Array) -> Array:
+def select(logprobs: Array, rows: RowParams, t: Array, live: Optional[Array] = None) -> Array:
     """logprobs f32[B, V] (already processed) -> int32[B] selected ids.
 
-    The sampling branch is skipped entirely when every row is greedy."""
+    The sampling branch is skipped entirely when every live row is greedy (`live` bool[B]:
+    empty, ended and paused slots do not count; None: every row)."""
     greedy = jnp.argmax(logprobs, axis=-1).astype(jnp.int32)
     is_greedy = rows.temperature == 0
 
@@ -41,4 +44,5 @@ def select(logprobs: Array, rows: RowParams, t: Array) -> Array:
         drawn = jax.vmap(inverse_cdf)(step_keys(rows, t), logprobs).astype(jnp.int32)
         return jnp.where(is_greedy, greedy, drawn)
 
-    return jax.lax.cond(jnp.all(is_greedy), lambda _: greedy, sample, None)
+    skip = jnp.all(is_greedy if live is None else is_greedy | ~live)
+    return jax.lax.cond(skip, lambda _: greedy, sample, None)

@@ -120,26 +120,31 @@ def _keys(rows: RowParams, t: Array, purpose: int) -> Array:
     return jax.vmap(lambda k: jax.random.fold_in(k, purpose))(kt)
 
 
-def _select(logprobs: Array, rows: RowParams, t: Array, purpose: int) -> Array:
+def _all_greedy(rows: RowParams, live: Array) -> Array:
+    """True when every live row is greedy (empty, ended and paused rows do not count)."""
+    return jnp.all((rows.temperature == 0) | ~live)
+
+
+def _select(logprobs: Array, rows: RowParams, live: Array, t: Array, purpose: int) -> Array:
     """The argmax for greedy rows, else one inverse-CDF draw with the key of (t, purpose).
-    The keys and the draw are skipped at run time when every row is greedy."""
+    The keys and the draw are skipped at run time when every live row is greedy."""
     greedy = jnp.argmax(logprobs, axis=-1).astype(jnp.int32)
 
     def sample(_):
         drawn = jax.vmap(sampling.inverse_cdf)(_keys(rows, t, purpose), logprobs)
         return jnp.where(rows.temperature == 0, greedy, drawn.astype(jnp.int32))
 
-    return jax.lax.cond(jnp.all(rows.temperature == 0), lambda _: greedy, sample, None)
+    return jax.lax.cond(_all_greedy(rows, live), lambda _: greedy, sample, None)
 
 
-def _accept_uniforms(rows: RowParams, t_idx: Array) -> Array:
+def _accept_uniforms(rows: RowParams, live: Array, t_idx: Array) -> Array:
     """u f32[B, k] for the acceptance tests at output indices t_idx int32[B, k]; zeros, with no
-    key derived, when every row is greedy (greedy rows compare with the argmax instead)."""
+    key derived, when every live row is greedy (greedy rows compare with the argmax instead)."""
     def draw(_):
         keys = jax.vmap(lambda t: _keys(rows, t, ACCEPT), in_axes=1, out_axes=1)(t_idx)
         return jax.vmap(jax.vmap(jax.random.uniform))(keys)
 
-    return jax.lax.cond(jnp.all(rows.temperature == 0),
+    return jax.lax.cond(_all_greedy(rows, live),
                         lambda _: jnp.zeros(t_idx.shape, jnp.float32), draw, None)
 
 
@@ -315,7 +320,7 @@ def spec_round(target: DecoderModel, tparams: Any, draft: Optional[DecoderModel]
         # the draft proposes under the grammar mask, with its own copy of the state
         lq_1 = process_one(logit.astype(jnp.float32), s.counts, s.seen, step, s.grammar_state)
         if nb == 1:
-            d_1 = _select(lq_1, rows, step + 1, DRAFT)
+            d_1 = _select(lq_1, rows, live, step + 1, DRAFT)
         else:  # greedy rows only: branch b starts with the draft's b-th most likely token
             d_1 = jax.lax.top_k(lq_1, nb)[1].T.astype(jnp.int32)         # [nb, B]
 
@@ -330,7 +335,7 @@ def spec_round(target: DecoderModel, tparams: Any, draft: Optional[DecoderModel]
                                            dcache, lengths=live.astype(jnp.int32),
                                            **extra(draft))
             lq = process_one(logits[:, 0].astype(jnp.float32), counts, seen, step + i, g)
-            d = _select(lq, rows, step + i + 1, DRAFT)
+            d = _select(lq, rows, live, step + i + 1, DRAFT)
             return (d, *advance(d, counts, seen, g), dcache), (d, lq)
 
         def continue_branch(d_1):  # d_2 .. d_k after d_1, the draft cache shared on entry
@@ -391,7 +396,7 @@ def spec_round(target: DecoderModel, tparams: Any, draft: Optional[DecoderModel]
     # accept / reject
     lp_d = jnp.take_along_axis(lp[:, :k], d[:, :, None], 2)[:, :, 0]
     t_idx = step[:, None] + jnp.arange(1, k + 1)[None, :]
-    u = _accept_uniforms(rows, t_idx)                                    # [B, k]
+    u = _accept_uniforms(rows, live, t_idx)                                    # [B, k]
     ratio = jnp.exp(jnp.minimum(lp_d - lq_d, 0.0))
     ok = jnp.where(greedy[:, None], d == best[:, :k], (u < ratio) & jnp.isfinite(lq_d))
     j = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)     # accepted, 0..k
@@ -406,7 +411,7 @@ def spec_round(target: DecoderModel, tparams: Any, draft: Optional[DecoderModel]
         drawn = jax.vmap(sampling.inverse_cdf)(_keys(rows, step + j + 1, RESAMPLE), resid_log)
         return jnp.where(greedy, best_j, drawn.astype(jnp.int32))
 
-    corr = jax.lax.cond(jnp.all(greedy), lambda _: best_j, resample, None)
+    corr = jax.lax.cond(_all_greedy(rows, live), lambda _: best_j, resample, None)
     i0 = jnp.arange(k + 1)[None, :]
     emit = jnp.where(i0 < j[:, None], jnp.pad(d, ((0, 0), (0, 1))), corr[:, None])
 

@@ -105,7 +105,7 @@ def test_logprobs_no_recompile_after_warmup_mixed_requests(tok):
     model = ScriptedModel.make([0] + [byte_id(tok, "w")] * 80, vocab_size=V, max_len=128,
                                eos_token_ids=(EOS,))
     with jd.LLM(model, {}, tok, max_slots=4, max_len=128) as llm:
-        assert llm.warmup(max_prompt_len=16) > 0
+        llm.warmup(max_prompt_len=16)  # may compile nothing: an earlier test saw these shapes
         before = jd.compilation_count()
         handles = []
         for i in range(16):
