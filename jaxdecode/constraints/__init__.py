@@ -29,7 +29,7 @@ int32 per row and must move with the KV cache.
   * Engine: compile at submission (`compile_format`; a ValueError is `invalid_request` with
     param `response_format`). Keep one `build_tables` bundle for the live slots; pass the
     constraints in a stable order and append new ones, so existing offsets never move (else
-    `rebase_states`). A new row starts at `bundle.initial_state(compiled)`; a free slot is -1.
+    the engine moves live rows on device, `step_ops` GRAMMAR). A new row starts at `bundle.initial_state(compiled)`; a free slot is -1.
     Replacing `StepState.grammar` with a bundle of the same bucketed shapes does not recompile.
   * Beam search: the tables are shared (vmap in_axes=None); `grammar_state` is per beam and is
     gathered with the same parent indices that reorder the cache.
@@ -44,7 +44,7 @@ from jaxdecode.constraints.compile import (CACHE, CompiledIndex, IndexCache, cac
                                            compile_format, compile_regex)
 from jaxdecode.constraints.formats import regex_for, validate_response_format
 from jaxdecode.constraints.tables import (DEAD, GrammarTables, TableBundle, build_tables,
-                                          completes, mask_logits, next_state, rebase_states,
+                                          completes, mask_logits, next_state,
                                           state_path)
 from jaxdecode.constraints.vocab import TokenVocab, vocab_for
 from jaxdecode.constraints.batch import prepare_rows
@@ -52,6 +52,6 @@ from jaxdecode.constraints.batch import prepare_rows
 __all__ = [
     "CACHE", "CompiledIndex", "DEAD", "GrammarTables", "IndexCache", "TableBundle", "TokenVocab",
     "build_tables", "cache_info", "compile_format", "compile_regex", "completes", "mask_logits",
-    "next_state", "prepare_rows", "rebase_states", "regex_for", "state_path", "validate_response_format",
+    "next_state", "prepare_rows", "regex_for", "state_path", "validate_response_format",
     "vocab_for",
 ]

@@ -148,17 +148,6 @@ def build_tables(compiled: Sequence[Optional[CompiledIndex]], vocab_size: int,
     return bundle
 
 
-def rebase_states(states: np.ndarray, row_keys: Sequence[Optional[tuple]], old: TableBundle,
-                  new: TableBundle) -> np.ndarray:
-    """Host helper for an engine that rebuilt its table set: move each row's global state from
-    `old`'s offsets to `new`'s (row_keys[r] = the row's CompiledIndex.key or None)."""
-    out = np.array(states, np.int32, copy=True)
-    for r, k in enumerate(row_keys):
-        if k is not None and out[r] >= 0:
-            out[r] = out[r] - old.offsets[k] + new.offsets[k]
-    return out
-
-
 # -- device lookups (run inside the jitted step) -----------------------------------------------
 
 def allowed_tokens(tables: GrammarTables, state: Array, eos_mask: Array) -> Array:
