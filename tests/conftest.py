@@ -4,14 +4,29 @@
 Face checkpoint directory with transformers + torch on CPU: config.json, generation_config.json,
 safetensors weights and a small trained tokenizer, so `models.load(path)` works end to end.
 Names: see `HF_CHECKPOINTS`.
+
+`_release_compiled_programs` drops compiled programs after each test module: XLA:CPU keeps
+every compiled program's machine code mapped (about six memory maps each), and the suite's
+thousands of compilations in one process would exhaust `vm.max_map_count` (65530), after which
+LLVM fails with "Cannot allocate memory" and the process crashes.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 from pathlib import Path
 
 import pytest
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    yield
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
 
 # Tiny sizes: 2 layers, 4 heads (2 KV heads where the family has GQA), vocab 128.
 VOCAB = 128
