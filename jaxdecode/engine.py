@@ -783,15 +783,7 @@ class LLM:
         fetched = jax.device_get((out.token, out.finish) + lp_arrays)  # one transfer
         tokens, finish = fetched[:2]
         logprob, top_ids, top_lps = fetched[2:] if step.top_k else (None, None, None)
-        for r in step.owners:
-            if r is not None:
-                r.in_flight -= 1
-        for slot, r in enumerate(step.owners):
-            if r is None or r.lifecycle.is_terminal or r.slot != slot:
-                continue  # the duplicate guard: the request ended after this step was sent
-            if r.lifecycle.observe_cancel():  # L4: the in-flight result is discarded
-                self._end_cancelled(r)
-                continue
+        for slot, r in self._owned_rows(step):
             token, code = int(tokens[slot]), int(finish[slot])
             if token < 0:
                 continue
@@ -803,20 +795,28 @@ class LLM:
             self._on_token(r, token, code, entry)
         self._sweep_slots()
 
-    def _process_round(self, step: _Dispatched) -> None:
-        """A speculative round's tokens: each row's emitted tokens go through `_on_token` in
-        order, the earlier ones RUNNING and the last with the round's finish code; once the
-        request ends (a stop string, a cancel) the rest of its tokens are dropped."""
-        out = jax.device_get(step.out)  # one transfer (the top-k arrays are empty when 0)
+    def _owned_rows(self, step: _Dispatched) -> Iterator[tuple[int, RequestHandle]]:
+        """(slot, request) for each row of a processed step whose request still owns its slot
+        and goes on. Settles the in-flight counts first; a request that ended after the step
+        was sent is skipped (the duplicate guard), a cancelled one ends here and its in-flight
+        result is discarded (SPEC L4)."""
         for r in step.owners:
             if r is not None:
                 r.in_flight -= 1
         for slot, r in enumerate(step.owners):
             if r is None or r.lifecycle.is_terminal or r.slot != slot:
-                continue  # the duplicate guard: the request ended after this round was sent
-            if r.lifecycle.observe_cancel():  # L4: the in-flight result is discarded
+                continue
+            if r.lifecycle.observe_cancel():
                 self._end_cancelled(r)
                 continue
+            yield slot, r
+
+    def _process_round(self, step: _Dispatched) -> None:
+        """A speculative round's tokens: each row's emitted tokens go through `_on_token` in
+        order, the earlier ones RUNNING and the last with the round's finish code; once the
+        request ends (a stop string, a cancel) the rest of its tokens are dropped."""
+        out = jax.device_get(step.out)  # one transfer (the top-k arrays are empty when 0)
+        for slot, r in self._owned_rows(step):
             self._spec.count(r, out, slot)
             count = int(out.count[slot])
             for i in range(count):

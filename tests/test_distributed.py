@@ -6,7 +6,6 @@ the device broadcast runs under jit on a mesh of 8 simulated CPU devices; and
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -21,6 +20,7 @@ from jaxdecode import step_ops
 from jaxdecode.constraints.tables import GrammarTables
 from jaxdecode.state import RowParams
 from serving import distributed as dist
+from tests.serve_process import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO_WEIGHTS = os.path.join(ROOT, "models", "demo", "main.safetensors")
@@ -247,12 +247,6 @@ def test_collective_broadcast_on_a_mesh_of_8_devices():
     assert all(s & (s - 1) == 0 for s in out["sizes"]) and len(out["sizes"]) <= 3
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _serve_cmd(pid: int, n: int, coord: int, http: int, mesh: str) -> list:
     return [sys.executable, "-m", "jaxdecode.cli", "serve", "--model", "demo", "--port", str(http),
             "--max-slots", "2", "--max-len", "128", "--distributed",
@@ -292,7 +286,7 @@ def test_serve_distributed_processes_on_cpu(processes):
 
     import models
 
-    coord, http = _free_port(), _free_port()
+    coord, http = free_port(), free_port()
     env = dict(_env(8 // processes), JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo")
     procs = [_serve(i, processes, coord, http, "data=2,model=4", env) for i in range(processes)]
     try:
@@ -349,7 +343,7 @@ def test_coordinator_flags_all_three_or_none():
 def test_serve_distributed_bad_flag_exits_every_process():
     """Each process builds the engine before the split: a bad flag ends all of them (no
     follower is left waiting for a leader that never started)."""
-    coord, http = _free_port(), _free_port()
+    coord, http = free_port(), free_port()
     env = dict(_env(4), JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo")
     procs = [subprocess.Popen(_serve_cmd(i, 2, coord, http, "data=2,model=4")
                               + ["--speculative", "prompt_lookup"], cwd=ROOT, env=env,

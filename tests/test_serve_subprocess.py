@@ -1,6 +1,7 @@
 """A real `jaxdecode serve` process on the demo model, driven by the official `openai` client:
-logprobs (completions and chat, plain and streamed), n = 2, 32 concurrent streams, and a stream
-closed mid-way (its request is cancelled and counted as transport_error, SPEC T5).
+completions and chat, plain and streamed, logprobs, n = 2, 32 concurrent streams, a stream
+closed mid-way (its request is cancelled and counted as transport_error, SPEC T5), stop strings
+in no chunk, seeds, 400s naming the field, raw SSE ids and resume with Last-Event-ID (T4).
 
 One server for the module (started once, SIGINT at the end: it must exit 0); small max_tokens
 keep the module fast.
@@ -9,36 +10,18 @@ keep the module fast.
 from __future__ import annotations
 
 import asyncio
-import os
 import re
-import signal
-import socket
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
+from tests.serve_process import serve
+
 openai = pytest.importorskip("openai")
 
-ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "def add(a, b):"
 CHAT = [{"role": "user", "content": "Write a function that adds two numbers."}]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _up(url: str) -> bool:
-    try:
-        return httpx.get(url + "/health", timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def _metric(url: str, name: str, **labels) -> float:
@@ -51,31 +34,9 @@ def _metric(url: str, name: str, **labels) -> float:
 
 @pytest.fixture(scope="module")
 def url(tmp_path_factory):
-    if not (ROOT / "models" / "demo" / "main.safetensors").exists():
-        pytest.skip("demo weights are not present")
-    port = _free_port()
-    env = dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
     log = tmp_path_factory.mktemp("serve") / "server.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "jaxdecode.cli", "serve", "--model", "demo", "--port",
-             str(port), "--max-slots", "8", "--max-len", "256", "--log-level", "warning"],
-            cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while not _up(base):
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.2)
+    with serve(log, "--max-slots", "8", "--max-len", "256") as (_, base):
         yield base
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 0, log.read_text()[-4000:]
 
 
 @pytest.fixture(scope="module")

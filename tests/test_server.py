@@ -11,16 +11,10 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from contextlib import ExitStack
-from pathlib import Path
 
 import httpx
 import pytest
@@ -33,6 +27,7 @@ from serving.chat import chat_prompt_ids, simple_template
 from serving.logs import JsonFormatter
 from serving.server import ServerThread
 from tests.scripted import HOOKS, HookedModel
+from tests.serve_process import serve
 
 KEY = "sk-test-key"
 MODEL = "tiny"
@@ -741,25 +736,10 @@ def test_stream_registry_keeps_live_logs_and_bounds_finished_ones():
 
 # -- the command line ---------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_cli_serve_demo_model_with_api_key():
-    root = Path(__file__).resolve().parents[1]
-    if not (root / "models" / "demo" / "main.safetensors").exists():
-        pytest.skip("demo weights are not present")
-    port = _free_port()
-    env = dict(os.environ, PYTHONPATH=str(root), JAX_PLATFORMS="cpu")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "jaxdecode.cli", "serve", "--model", "demo", "--port", str(port),
-         "--max-slots", "1", "--max-len", "64", "--api-key", "k", "--log-level", "warning"],
-        cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        assert wait_until(lambda: _up(url), 90), proc.stdout.read1().decode() if proc.poll() else ""
+def test_cli_serve_demo_model_with_api_key(tmp_path):
+    with serve(tmp_path / "serve.log", "--max-slots", "1", "--max-len", "64",
+               "--api-key", "k") as (_, url):
+        assert httpx.get(url + "/health").status_code == 200  # open without the key
         with httpx.Client(base_url=url, timeout=60) as c:
             assert c.post("/v1/completions", json={"prompt": "def"}).status_code == 401
             r = c.post("/v1/completions", json={"model": "demo", "prompt": "def f(x):",
@@ -767,21 +747,6 @@ def test_cli_serve_demo_model_with_api_key():
                        headers={"Authorization": "Bearer k"})
             assert r.status_code == 200, r.text
             assert r.json()["usage"]["completion_tokens"] == 3
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 0
-
-
-def _up(url: str) -> bool:
-    try:
-        return httpx.get(url + "/health", timeout=1).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def test_replay_X11_server_writes_records_that_replay_identically(llm, tmp_path):
