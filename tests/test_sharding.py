@@ -17,8 +17,12 @@ from models import sharding
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+MESHES = [(1, 2), (2, 2), (2, 4), (1, 8)]  # (data, model): 2, 4 and 8 devices
+NAMES = [f"{d}x{m}" for d, m in MESHES]
+
 SCRIPT = textwrap.dedent(r"""
     import json
+    import sys
     import jax
     import jaxdecode as jd
     import models
@@ -57,7 +61,7 @@ SCRIPT = textwrap.dedent(r"""
 
     out = {"reference": jd.generate(model, params, prompts, greedy).token_ids.tolist(),
            "engine_reference": engine(params, None)[0]}
-    for data, model_axis in [(2, 4), (1, 8)]:
+    for data, model_axis in json.loads(sys.argv[1]):
         mesh = models.make_mesh(data, model_axis)
         sp = models.shard_params(params, mesh)
         name = f"{data}x{model_axis}"
@@ -77,7 +81,7 @@ def mesh_run():
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
                XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") +
                           " --xla_force_host_platform_device_count=8").strip())
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(MESHES)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT")][-1]
@@ -104,13 +108,13 @@ def test_rules_fall_back_to_replicated_1x8(mesh_run):
 
 
 def test_sharded_generate_matches_unsharded(mesh_run):
-    for name in ("2x4", "1x8"):
+    for name in NAMES:  # meshes of 2, 4 and 8 devices
         assert mesh_run[name]["generate"] == mesh_run["reference"], name
 
 
 def test_engine_with_mesh_matches_and_shards_the_cache(mesh_run):
     assert all(len(t) == 8 for t in mesh_run["engine_reference"])
-    for name in ("2x4", "1x8"):
+    for name in NAMES:
         assert mesh_run[name]["engine"] == mesh_run["engine_reference"], name
     state = mesh_run["2x4"]["state"]
     assert state["k"] == [None, "data", "model"]      # batch on data, kv heads on model
