@@ -210,6 +210,15 @@ class RequestHandle:
         return f"RequestHandle({self.request_id!r}, {self.lifecycle.state.value})"
 
 
+def _logprob_entry(r: RequestHandle, token: int, logprob: Any, top_ids: Any,
+                   top_logprobs: Any) -> TokenLogprob:
+    """The request's record of one selected token: its raw logprob and its own top N. The
+    step computed a top-k whenever a live row asked, so the arrays are there."""
+    n = r.sampling.logprobs
+    return TokenLogprob(token, float(logprob),
+                        tuple(zip(top_ids[:n].tolist(), top_logprobs[:n].tolist())))
+
+
 @dataclasses.dataclass
 class _Dispatched:
     """A step in flight: its output, which request owned each slot when it was dispatched, and
@@ -787,11 +796,8 @@ class LLM:
             token, code = int(tokens[slot]), int(finish[slot])
             if token < 0:
                 continue
-            entry = None
-            if r.logprobs is not None:  # then step.top_k > 0: the row was live at dispatch
-                n = r.sampling.logprobs
-                entry = TokenLogprob(token, float(logprob[slot]), tuple(
-                    zip(top_ids[slot, :n].tolist(), top_lps[slot, :n].tolist())))
+            entry = (_logprob_entry(r, token, logprob[slot], top_ids[slot], top_lps[slot])
+                     if r.logprobs is not None else None)
             self._on_token(r, token, code, entry)
         self._sweep_slots()
 
@@ -821,13 +827,11 @@ class LLM:
             count = int(out.count[slot])
             for i in range(count):
                 code = int(out.finish[slot]) if i == count - 1 else RUNNING
-                entry = None
-                if r.logprobs is not None:  # then step.top_k > 0: the row was live at dispatch
-                    n = r.sampling.logprobs
-                    entry = TokenLogprob(int(out.tokens[slot, i]), float(out.logprob[slot, i]),
-                                         tuple(zip(out.top_ids[slot, i, :n].tolist(),
-                                                   out.top_logprobs[slot, i, :n].tolist())))
-                self._on_token(r, int(out.tokens[slot, i]), code, entry)
+                token = int(out.tokens[slot, i])
+                entry = (_logprob_entry(r, token, out.logprob[slot, i], out.top_ids[slot, i],
+                                        out.top_logprobs[slot, i])
+                         if r.logprobs is not None else None)
+                self._on_token(r, token, code, entry)
                 if r.lifecycle.is_terminal:
                     break
         self._sweep_slots()

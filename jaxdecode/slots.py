@@ -67,21 +67,22 @@ def _empty_state_fn(model: DecoderModel, dtype: Any, max_len: int,
 _empty_state = jax.jit(_empty_state_fn, static_argnums=(0, 1, 2))
 
 
-def _keep_tables(fn):
-    """Donate the state to `fn` except the shared grammar tables (`StepState.grammar`), which
-    other states and the table cache also hold: they pass through untouched."""
+def keep_tables(fn):
+    """Jit `fn(state, ...)` with the state donated, except the shared grammar tables
+    (`state.grammar`, on StepState and SpecState alike), which other states and the table cache
+    also hold: they pass through untouched. Arguments of the state's type lose theirs too."""
     jitted = jax.jit(fn, donate_argnums=(0,))
 
     @functools.wraps(fn)
-    def call(state: StepState, *args) -> StepState:
+    def call(state, *args):
         tables = state.grammar
-        args = [a.replace(grammar=None) if isinstance(a, StepState) else a for a in args]
+        args = [a.replace(grammar=None) if isinstance(a, type(state)) else a for a in args]
         return jitted(state.replace(grammar=None), *args).replace(grammar=tables)
 
     return call
 
 
-@_keep_tables
+@keep_tables
 def insert(state: StepState, rows: StepState, slots: jax.Array) -> StepState:
     """Scatter the rows of a freshly prefilled state into `slots` (int32[n]; an index past the
     last slot drops that row, which pads a prefill batch). The cache's batch axis is 1."""
@@ -98,7 +99,7 @@ def insert(state: StepState, rows: StepState, slots: jax.Array) -> StepState:
     return rest.replace(cache=cache)
 
 
-@_keep_tables
+@keep_tables
 def set_flags(state: StepState, release: jax.Array, paused: jax.Array) -> StepState:
     """Mark released rows done and set the paused mask (bool[slots] each)."""
     return state.replace(done=state.done | release, paused=paused)

@@ -47,6 +47,7 @@ from jaxdecode.config import SamplingParams
 from jaxdecode.model_api import DecoderModel
 from jaxdecode.speculative import (PROMPT_LOOKUP, RoundOutput, SpecState, check_branches_greedy,
                                    check_num_branches, spec_round)
+from jaxdecode.slots import keep_tables
 from jaxdecode.state import RowParams
 
 COUNTERS = ("proposed", "accepted", "target_tokens", "iterations")
@@ -153,21 +154,7 @@ def _prefill(target, tparams, draft, dparams, tokens, lengths, max_len: int,
     return state
 
 
-def _keep_tables(fn, **jit_kw):
-    """Jit `fn(state, ...)` with the state donated, except the shared grammar tables
-    (`SpecState.grammar`), which other states hold too: they pass through untouched."""
-    jitted = jax.jit(fn, donate_argnums=(0,), **jit_kw)
-
-    @functools.wraps(fn)
-    def call(state: SpecState, *args):
-        tables = state.grammar
-        args = [a.replace(grammar=None) if isinstance(a, SpecState) else a for a in args]
-        return jitted(state.replace(grammar=None), *args).replace(grammar=tables)
-
-    return call
-
-
-@_keep_tables
+@keep_tables
 def insert(state: SpecState, rows: SpecState, slots: jax.Array) -> SpecState:
     """Scatter freshly prefilled rows into `slots` (int32[n]; an index past the last slot drops
     that row, which pads a prefill batch). The caches' batch axis is 1 for k and v."""
@@ -189,7 +176,7 @@ def insert(state: SpecState, rows: SpecState, slots: jax.Array) -> SpecState:
     return rest
 
 
-@_keep_tables
+@keep_tables
 def set_flags(state: SpecState, release: jax.Array, paused: jax.Array) -> SpecState:
     """Mark released rows done and set the paused mask (bool[slots] each)."""
     return state.replace(done=state.done | release, paused=paused)
