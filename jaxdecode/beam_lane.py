@@ -11,8 +11,10 @@ BEAM step op through `LLM._device`, so multi-host followers make the same call):
   `run_record` is a row of its own and takes beam `index` of `n` (rank 0 for `submit`).
 - Rows queued together that share the call's scalar settings -- n, early_stopping,
   length_penalty, max new tokens, min new tokens, the ending ids and the response_format --
-  run as one call (at most `max_slots` rows); `num_beams` may differ per row (beam_search pads
-  to the widest width), so widths do not split calls. `beam_search` compiles per width, output
+  run as one call (at most `max_slots` rows, and no more KV cache positions than the slots
+  hold: `admission.beam_positions`, the budget every single request was checked against at
+  submission); `num_beams` may differ per row (beam_search pads to the widest width), so
+  widths do not split calls. `beam_search` compiles per width, output
   bucket and prompt bucket; max_new_tokens and the other numbers are runtime values.
 - Latency trade-off: the call is one device program (the whole search, `lax.while_loop`), so
   the slot rows get no decode step while it runs -- their streams pause for that long (the
@@ -42,7 +44,9 @@ processed = those the search wrote into the cache (all but the hypothesis' last 
 returned = the pipeline's count. Cancels and deadlines are observed before the call (queued
 requests: `LLM._sweep_queue`); a cancel that arrives during the call discards its result
 (L4, CANCELLED). The deadline is not checked after the call: it cannot stop midway, and its
-result is complete. Records pin num_beams, length_penalty, early_stopping and n with the
+result is complete. A call that raises is retried without each half of its rows
+(`faults.find_culprits`): the rows that fail alone end FAILED (`model_error`, the engine's
+`error` records it), the others get their results; the slot state is untouched throughout. Records pin num_beams, length_penalty, early_stopping and n with the
 other settings and the beam rank as `sample_index`, so `jd.replay` reruns the search.
 """
 
@@ -52,7 +56,7 @@ import json
 import logging
 from typing import Any
 
-from jaxdecode import step_ops
+from jaxdecode import admission, faults, step_ops
 from jaxdecode.types import ErrorCode, FinishReason, RequestState
 
 logger = logging.getLogger(__name__)
@@ -71,15 +75,36 @@ def link_rows(handles: list) -> None:
             h.beam_row.append(h)
 
 
+def ending_ids(engine: Any, sp: Any) -> tuple:
+    """The ids that end a beam: the engine's EOS ids (none with ignore_eos) and the single
+    stop ids (the grammar vocabulary excludes them too)."""
+    eos = () if sp.ignore_eos else tuple(engine.eos_token_ids)
+    return tuple(dict.fromkeys(eos + sp.single_stop_ids))
+
+
 def _settings(engine: Any, h: Any) -> dict:
     sp = h.sampling
-    limit = min(sp.max_tokens, engine.max_len - len(h.prompt_ids))
-    eos = () if sp.ignore_eos else tuple(engine.eos_token_ids)
+    limit = h.device_sampling.max_tokens  # capped to the room left in max_len
     return dict(num_return_sequences=sp.n, early_stopping=sp.early_stopping,
                 length_penalty=sp.length_penalty, max_new_tokens=limit,
-                min_new_tokens=min(sp.min_tokens, limit),
-                eos_token_ids=tuple(dict.fromkeys(eos + sp.single_stop_ids)),
+                min_new_tokens=min(sp.min_tokens, limit), eos_token_ids=ending_ids(engine, sp),
                 response_format=sp.response_format)
+
+
+def _chunks(engine: Any, settings: dict, rows: list) -> list:
+    """Consecutive rows of one call setting, split so that each call has at most max_slots rows
+    and fits the KV budget (module docstring)."""
+    out: list = []
+    for row in rows:
+        trial = (out[-1] if out else []) + [row]
+        need = len(trial) * admission.beam_positions(
+            engine.limits, max(r[0].sampling.num_beams for r in trial),
+            max(len(r[0].prompt_ids) for r in trial), settings["max_new_tokens"])
+        if out and len(trial) <= engine.max_slots and need <= engine.limits.kv_positions:
+            out[-1] = trial
+        else:
+            out.append([row])
+    return out
 
 
 def run(engine: Any, handles: list) -> None:
@@ -93,14 +118,12 @@ def run(engine: Any, handles: list) -> None:
         key = json.dumps(settings, sort_keys=True, default=str)
         calls.setdefault(key, (settings, []))[1].append(row)
     for settings, call_rows in calls.values():
-        for i in range(0, len(call_rows), engine.max_slots):
-            chunk = call_rows[i:i + engine.max_slots]
-            try:
-                _run_call(engine, settings, chunk)
-            except Exception as exc:  # a device or model failure: fail this call's requests
-                logger.exception("beam search failed")
+        for chunk in _chunks(engine, settings, call_rows):
+            culprits = faults.find_culprits(chunk, lambda rows: _run_call(engine, settings, rows))
+            for row, exc in culprits or ():  # rows that fail alone (module docstring)
+                logger.error("beam search failed on request %s: %r", row[0].request_id, exc)
                 engine.error = f"{type(exc).__name__}: {exc}"
-                for h in (h for row in chunk for h in row if not h.lifecycle.is_terminal):
+                for h in (h for h in row if not h.lifecycle.is_terminal):
                     engine._fail(h, ErrorCode.MODEL_ERROR, engine.error)
 
 
@@ -118,8 +141,8 @@ def _run_call(engine: Any, settings: dict, rows: list) -> None:
     widths = [row[0].sampling.num_beams for row in live]
     for row in live:
         for h in row:
-            h.lifecycle.transition(RequestState.PREFILLING)
-            h.lifecycle.transition(RequestState.DECODING)  # prefill is inside the one call
+            h.lifecycle.try_transition(RequestState.PREFILLING)  # already done in a retry
+            h.lifecycle.try_transition(RequestState.DECODING)  # prefill is inside the one call
             h.lifecycle.record("beam.started", num_beams=h.sampling.num_beams, rows=len(live))
     out = engine._device(step_ops.beam([row[0].prompt_ids for row in live], widths, settings))
     for r, row in enumerate(live):

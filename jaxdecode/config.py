@@ -12,6 +12,15 @@ with `do_sample=False`), so a beam request takes no sampling processor: temperat
 or 1 (either means "none"), and top_k, top_p, min_p, the penalties, logit_bias,
 banned_token_ids and logprobs must keep their defaults. With `num_beams == 1` the two beam
 fields are unused (HF ignores them too).
+
+Device ranges (every value must be exact on the device, so one request can never make the
+step compute inf/NaN or overflow an int32): integers fit int32; floats are finite in float32;
+presence/frequency penalties are in [-2, 2] and logit_bias values in [-100, 100] (OpenAI's
+and vLLM's ranges), repetition_penalty in [0.01, 100]; a temperature in (0, 1e-5) is greedy
+(stored as 0, like vLLM: dividing by it would overflow float32). Bounded host work: at most
+`MAX_STOP_STRINGS` stop strings of at most `MAX_STOP_CHARS` characters and `MAX_STOP_IDS` stop
+ids. Limits that need the model or the engine (token ids and top_k within the vocabulary:
+`check_vocab`; num_beams, n, the context) are checked by `jd.LLM` at submission.
 """
 
 from __future__ import annotations
@@ -20,11 +29,24 @@ import dataclasses
 import math
 from typing import Any, Optional, Union
 
+import numpy as np
+
 from jaxdecode.constraints.formats import validate_response_format
 
 OUTPUT_KINDS = ("delta", "cumulative", "final_only")
 MAX_LOGPROBS = 20  # the most top log-probabilities a request may ask for per token
 UTF8_ERRORS = ("strict", "replace")
+INT32_MAX = 2**31 - 1
+F32_MAX = float(np.finfo(np.float32).max)
+MIN_TEMPERATURE = 1e-5  # smaller positive temperatures are greedy (module docstring)
+# the float fields: (low, high, how the range reads); also finite in float32
+FLOAT_RANGES = {"temperature": (0.0, F32_MAX, ">= 0"), "top_p": (0.0, 1.0, "in (0, 1]"),
+                "min_p": (0.0, 1.0, "in [0, 1]"),
+                "repetition_penalty": (0.01, 100.0, "in [0.01, 100]"),
+                "frequency_penalty": (-2.0, 2.0, "in [-2, 2]"),
+                "presence_penalty": (-2.0, 2.0, "in [-2, 2]")}
+MAX_LOGIT_BIAS = 100.0
+MAX_STOP_STRINGS, MAX_STOP_CHARS, MAX_STOP_IDS = 64, 1024, 1024
 
 StopTokenIds = tuple[Union[int, tuple[int, ...]], ...]
 
@@ -35,6 +57,23 @@ def _fail(field: str, message: str) -> None:
 
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _sequence(field: str, value: Any, limit: int) -> tuple:
+    """`value` as a tuple of at most `limit` entries (ValueError naming `field` otherwise)."""
+    if isinstance(value, (str, bytes, dict)) or not hasattr(value, "__iter__"):
+        _fail(field, f"must be a list, got {type(value).__name__}")
+    items = tuple(value)
+    if len(items) > limit:
+        _fail(field, f"at most {limit} entries, got {len(items)}")
+    return items
+
+
+def _f32_finite(x: Any) -> bool:
+    """A real number that stays finite as float32 (the device's dtype)."""
+    return (not isinstance(x, bool) and isinstance(x, (int, float)) and math.isfinite(x)
+            and abs(x) <= F32_MAX)
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,35 +109,27 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty",
-                     "frequency_penalty", "presence_penalty"):
+        for name, (low, high, text) in FLOAT_RANGES.items():
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                _fail(name, f"must be a finite number, got {value!r}")
+            if not _f32_finite(value):
+                _fail(name, f"must be a finite number (float32), got {value!r}")
+            if not low <= value <= high or (name == "top_p" and not np.float32(value) > 0):
+                _fail(name, f"must be {text}, got {value}")
             set_(name, float(value))
-        if self.temperature < 0:
-            _fail("temperature", f"must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            _fail("top_p", f"must be in (0, 1], got {self.top_p}")
-        if not 0.0 <= self.min_p <= 1.0:
-            _fail("min_p", f"must be in [0, 1], got {self.min_p}")
-        if self.repetition_penalty <= 0:
-            _fail("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
-        for name in ("top_k", "max_tokens", "min_tokens", "logprobs", "n"):
-            if not _is_int(getattr(self, name)):
-                _fail(name, f"must be an integer, got {getattr(self, name)!r}")
-        if self.top_k < 0:
-            _fail("top_k", f"must be >= 0 (0 disables), got {self.top_k}")
-        if self.max_tokens < 1:
-            _fail("max_tokens", f"must be >= 1, got {self.max_tokens}")
-        if self.min_tokens < 0:
-            _fail("min_tokens", f"must be >= 0, got {self.min_tokens}")
+        if 0.0 < self.temperature < MIN_TEMPERATURE:
+            set_("temperature", 0.0)  # greedy (module docstring)
+        for name, low in (("top_k", 0), ("max_tokens", 1), ("min_tokens", 0), ("logprobs", 0),
+                          ("n", 1)):
+            value = getattr(self, name)
+            if not _is_int(value):
+                _fail(name, f"must be an integer, got {value!r}")
+            if not low <= value <= INT32_MAX:
+                _fail(name, f"must be in [{low}, {INT32_MAX}]"
+                      + (" (0 disables)" if name == "top_k" else "") + f", got {value}")
         if self.min_tokens > self.max_tokens:
             _fail("min_tokens", f"must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
-        if not 0 <= self.logprobs <= MAX_LOGPROBS:
+        if self.logprobs > MAX_LOGPROBS:
             _fail("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
-        if self.n < 1:
-            _fail("n", f"must be >= 1, got {self.n}")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
             _fail("seed", f"must be an integer in [0, 2**63) or None, got {self.seed!r}")
         if self.deadline_s is not None and (
@@ -119,11 +150,11 @@ class SamplingParams:
 
     def _check_beams(self) -> None:
         """The beam-search fields (module docstring): values, and no sampling processor."""
-        if not _is_int(self.num_beams) or self.num_beams < 1:
-            _fail("num_beams", f"must be an integer >= 1, got {self.num_beams!r}")
+        if not _is_int(self.num_beams) or not 1 <= self.num_beams <= INT32_MAX:
+            _fail("num_beams", f"must be an integer in [1, {INT32_MAX}], got {self.num_beams!r}")
         lp = self.length_penalty
-        if isinstance(lp, bool) or not isinstance(lp, (int, float)) or not math.isfinite(lp):
-            _fail("length_penalty", f"must be a finite number, got {lp!r}")
+        if not _f32_finite(lp):
+            _fail("length_penalty", f"must be a finite number (float32), got {lp!r}")
         object.__setattr__(self, "length_penalty", float(lp))
         if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
             _fail("early_stopping", f"must be True, False or 'never', got {self.early_stopping!r}")
@@ -146,26 +177,33 @@ class SamplingParams:
     def _normalise_stop(stop: Any) -> tuple[str, ...]:
         if stop is None:
             return ()
-        items = (stop,) if isinstance(stop, str) else tuple(stop)
+        items = (stop,) if isinstance(stop, str) else _sequence("stop", stop, MAX_STOP_STRINGS)
         for s in items:
             if not isinstance(s, str):
                 _fail("stop", f"entries must be strings, got {s!r}")
             if s == "":
                 _fail("stop", "empty stop string")
+            if len(s) > MAX_STOP_CHARS:
+                _fail("stop", f"a stop string may have at most {MAX_STOP_CHARS} characters, "
+                      f"got {len(s)}")
         return items
 
     @staticmethod
-    def _normalise_ids(field: str, ids: Any) -> tuple[int, ...]:
-        ids = (ids,) if _is_int(ids) else tuple(ids or ())
+    def _normalise_ids(field: str, ids: Any, limit: int = INT32_MAX) -> tuple[int, ...]:
+        ids = (ids,) if _is_int(ids) else _sequence(field, ids or (), limit)
         for i in ids:
-            if not _is_int(i) or i < 0:
-                _fail(field, f"entries must be non-negative token ids, got {i!r}")
+            if not _is_int(i) or not 0 <= i <= INT32_MAX:
+                _fail(field, f"entries must be token ids in [0, {INT32_MAX}], got {i!r}")
         return ids
 
     @classmethod
     def _normalise_stop_ids(cls, ids: Any) -> StopTokenIds:
         out: list = []
-        for entry in ((ids,) if _is_int(ids) else tuple(ids or ())):
+        entries = (ids,) if _is_int(ids) else _sequence("stop_token_ids", ids or (), MAX_STOP_IDS)
+        if sum(1 if _is_int(e) else len(e) if isinstance(e, (list, tuple)) else 1
+               for e in entries) > MAX_STOP_IDS:
+            _fail("stop_token_ids", f"at most {MAX_STOP_IDS} ids in all")
+        for entry in entries:
             if _is_int(entry):
                 out.append(cls._normalise_ids("stop_token_ids", (entry,))[0])
             else:
@@ -187,10 +225,11 @@ class SamplingParams:
                 tok = int(k)
             except (TypeError, ValueError):
                 _fail("logit_bias", f"keys must be token ids, got {k!r}")
-            if tok < 0:
-                _fail("logit_bias", f"keys must be non-negative token ids, got {k!r}")
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                _fail("logit_bias", f"values must be finite numbers, got {v!r} for token {k!r}")
+            if not 0 <= tok <= INT32_MAX:
+                _fail("logit_bias", f"keys must be token ids in [0, {INT32_MAX}], got {k!r}")
+            if not _f32_finite(v) or abs(v) > MAX_LOGIT_BIAS:
+                _fail("logit_bias", f"values must be numbers in [-{MAX_LOGIT_BIAS:g}, "
+                      f"{MAX_LOGIT_BIAS:g}], got {v!r} for token {k!r}")
             out[tok] = float(v)
         return out
 
@@ -204,7 +243,9 @@ class SamplingParams:
         return tuple(i for i in self.stop_token_ids if not _is_int(i))
 
     def check_vocab(self, vocab_size: int) -> None:
-        """Token ids must exist in the model's vocabulary (checked once the model is known)."""
+        """Token ids and top_k must fit the model's vocabulary (checked once it is known)."""
+        if self.top_k > vocab_size:
+            _fail("top_k", f"must be <= the vocabulary size ({vocab_size}), got {self.top_k}")
         stop_ids = self.single_stop_ids + tuple(i for seq in self.stop_id_sequences for i in seq)
         for name, ids in (("banned_token_ids", self.banned_token_ids),
                           ("logit_bias", tuple(self.logit_bias)), ("stop_token_ids", stop_ids)):

@@ -54,6 +54,11 @@ def bucket(n: int, cap: Optional[int] = None) -> int:
     return min(size, cap) if cap is not None else size
 
 
+def cache_len(longest_prompt: int, max_new: int, max_len: int) -> int:
+    """The cache length `generate` / `beam_search` allocate for these prompts and new tokens."""
+    return min(max_len, bucket(bucket(longest_prompt, max_len) + max_new))
+
+
 def params_dtype(params: Any):
     floats = [x.dtype for x in jax.tree.leaves(params) if jnp.issubdtype(x.dtype, jnp.floating)]
     return floats[0] if floats else jnp.float32
@@ -309,7 +314,7 @@ def prepare(model: DecoderModel, params: Any, prompt_ids: Sequence[Sequence[int]
             raise ValueError(f"prompt_ids: token id {bad[0]} is outside the vocabulary "
                              f"(size {cfg.vocab_size})")
     t = bucket(longest, cfg.max_len)
-    cache_len = min(cfg.max_len, bucket(t + n))
+    size = cache_len(longest, n, cfg.max_len)
     tokens = np.zeros((b, t), np.int32)
     for r, p in enumerate(prompt_ids):
         tokens[r, : len(p)] = p
@@ -324,7 +329,7 @@ def prepare(model: DecoderModel, params: Any, prompt_ids: Sequence[Sequence[int]
     eos = cfg.eos_token_ids if eos_token_ids is None else tuple(eos_token_ids)
     rows = RowParams.build(rows_sp, cfg.vocab_size, eos, keys=keys)
     grammar = constraints.prepare_rows(rows_sp, tokenizer, cfg.vocab_size, eos)  # before prefill
-    state = prefill(model, params, tokens, lengths, rows, cache_len)
+    state = prefill(model, params, tokens, lengths, rows, size)
     if grammar is not None:  # constraints: tables + initial per-row states
         state = state.replace(grammar_state=jnp.asarray(grammar[1]), grammar=grammar[0].tables)
     if any(s.n > 1 for s in rows_sp):

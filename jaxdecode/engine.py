@@ -43,20 +43,22 @@ queued beam requests and runs them as `jd.beam_search` calls; slot rows get no s
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
+import functools
 import itertools
 import logging
 import os
 import threading
 import time
-from typing import Any, Iterator, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import jax
 import numpy as np
 
-from jaxdecode import beam_lane, constraints, decode, speculative_engine, step_ops
+from jaxdecode import admission, beam_lane, constraints, decode, faults, speculative_engine
 from jaxdecode import replay as replay_lib
-from jaxdecode import request_state
+from jaxdecode import request_state, step_ops
 from jaxdecode.config import MAX_LOGPROBS, SamplingParams
 from jaxdecode.host import Lifecycle, OrderedStream, TextPipeline
 from jaxdecode.model_api import DecoderModel
@@ -70,6 +72,7 @@ logger = logging.getLogger(__name__)
 Prompt = Union[str, Sequence[int]]
 
 KV_BUCKET_MIN = step_ops.KV_BUCKET_MIN
+MAX_FAULTS = 3  # failed steps a request may be running in before it fails (LLM._recover)
 
 
 class QueueFull(RuntimeError):
@@ -86,9 +89,13 @@ class RequestHandle:
     def __init__(self, engine: "LLM", request_id: str, prompt_ids: list, sampling: SamplingParams,
                  prompt_text: Optional[str],
                  seed: int, key_data: np.ndarray, prompt_index: int, index: int,
-                 output_kind: str, grammar: Optional[Any] = None):
+                 output_kind: str, grammar: Optional[Any] = None,
+                 device_sampling: Optional[SamplingParams] = None):
         self.request_id = request_id
         self.grammar = grammar  # constraints.CompiledIndex of its response_format, or None
+        # the settings the device runs: max_tokens capped to the context (admission.check)
+        self.device_sampling = device_sampling or sampling
+        self.faults = 0  # failed engine steps this request was running in (LLM._recover)
         self.prompt_ids = prompt_ids
         self.prompt_text = prompt_text
         self.sampling = sampling
@@ -237,7 +244,9 @@ class LLM:
                  max_queue: int = 1024, max_buffered: int = 4096, backpressure: str = "buffer",
                  trace: bool = True, model_source: Optional[str] = None,
                  mesh: Optional[Any] = None, speculative: Optional[dict] = None,
-                 step_hook: Optional[Any] = None):
+                 step_hook: Optional[Any] = None, max_num_beams: int = admission.MAX_NUM_BEAMS,
+                 max_n: int = admission.MAX_N, max_constraint_compile_s: float = 30.0,
+                 max_constraint_states: int = constraints.limits.MAX_STATES):
         if not isinstance(max_slots, int) or max_slots < 1:
             raise ValueError(f"max_slots: must be a positive integer, got {max_slots!r}")
         if not isinstance(max_len, int) or not 2 <= max_len <= model.config.max_len:
@@ -248,6 +257,10 @@ class LLM:
         self.model, self.params, self.tokenizer = model, params, tokenizer
         self.max_slots, self.max_len, self.max_queue = max_slots, max_len, max_queue
         self.max_buffered, self.backpressure, self.trace_events = max_buffered, backpressure, trace
+        self.limits = admission.EngineLimits(max_len, max_slots, model.config.max_len,
+                                             max_num_beams, max_n)
+        self.compile_budget = constraints.CompileBudget(seconds=max_constraint_compile_s,
+                                                        max_states=max_constraint_states)
         if eos_token_ids is None:
             eos_token_ids = model.config.eos_token_ids
             if not eos_token_ids and eos_token_id(tokenizer) is not None:
@@ -272,7 +285,10 @@ class LLM:
                                          mesh, replicate_outputs=step_hook is not None,
                                          tokenizer=tokenizer, spec=self._spec)
         self._hashes: dict = {}
-        self.error: Optional[str] = None  # the last engine failure (health)
+        self.error: Optional[str] = None  # the last engine failure
+        self.degraded: Optional[str] = None  # why, from a failed step to the next good one
+        self._next_probe = 0.0  # when an idle degraded engine next checks its device
+        self._admitting: list = []  # the batch `_admit` is placing (suspects of a failure)
         self._cond = threading.Condition()
         self._queue: collections.deque[RequestHandle] = collections.deque()
         self._slots: list[Optional[RequestHandle]] = [None] * max_slots
@@ -288,15 +304,19 @@ class LLM:
     # -- public API ------------------------------------------------------------------------------
 
     def submit(self, prompt: Prompt, params: Optional[SamplingParams] = None, *,
-               request_id: Optional[str] = None, block: bool = False) -> RequestHandle:
+               request_id: Optional[str] = None, block: bool = False,
+               cancelled: Optional[Callable[[], bool]] = None) -> RequestHandle:
         """Queue one request (n must be 1; `generate` expands n). Raises ValueError naming the
-        bad field, `QueueFull` when the admission queue is full (unless `block`)."""
-        handle = self._make_handle(prompt, params, request_id)
+        bad field, `QueueFull` when the admission queue is full (unless `block`). A
+        response_format is compiled here, within the engine's compile budget; `cancelled()`
+        true (polled meanwhile) abandons it with a ValueError naming response_format."""
+        handle = self._make_handle(prompt, params, request_id, cancelled=cancelled)
         self._enqueue([handle], block)
         return handle
 
     def submit_beams(self, prompt: Prompt, params: SamplingParams, *,
-                     request_id: Optional[str] = None, block: bool = False) -> list:
+                     request_id: Optional[str] = None, block: bool = False,
+                     cancelled: Optional[Callable[[], bool]] = None) -> list:
         """Queue a beam-search request (num_beams > 1) as its n best beams: one handle per
         rank sharing one search row (jaxdecode/beam_lane.py), ids `<request_id>-<rank>` when
         n > 1. Raises like `submit`."""
@@ -304,7 +324,8 @@ class LLM:
             raise ValueError("num_beams: submit_beams() takes SamplingParams with num_beams > 1")
         rid = request_id or f"req-{next(self._ids)}"
         handles = [self._make_handle(prompt, params, rid if params.n == 1 else f"{rid}-{j}",
-                                     index=j, output_kind=params.output_kind)
+                                     index=j, output_kind=params.output_kind,
+                                     cancelled=cancelled)
                    for j in range(params.n)]
         beam_lane.link_rows(handles)
         self._enqueue(handles, block)
@@ -312,7 +333,10 @@ class LLM:
 
     def _make_handle(self, prompt: Prompt, params: Optional[SamplingParams],
                      request_id: Optional[str] = None, prompt_index: int = 0, index: int = 0,
-                     output_kind: Optional[str] = None) -> RequestHandle:
+                     output_kind: Optional[str] = None,
+                     cancelled: Optional[Callable[[], bool]] = None) -> RequestHandle:
+        """Every check a request gets, before it is queued: SamplingParams' own, the vocabulary,
+        the engine limits (`admission.check`), the constraint compile (within its budget)."""
         sp = params if params is not None else SamplingParams()
         if not isinstance(sp, SamplingParams):
             raise ValueError(f"params: expected SamplingParams, got {type(sp).__name__}")
@@ -320,19 +344,23 @@ class LLM:
             raise ValueError("n: submit() and stream() take one sample; use generate() for n > 1")
         prompt_ids = self._encode(prompt)
         sp.check_vocab(self.model.config.vocab_size)
+        device_sp = admission.check(sp, len(prompt_ids), self.limits)  # before a compile
         if self._spec is not None and sp.num_beams == 1:  # beams take the beam lane
             self._spec.config.check_request(sp)
         grammar = None
         if sp.response_format is not None and sp.response_format.get("type") != "text":
+            # the vocabulary its lane compiles with, so the beam lane finds it in the cache
+            ending = beam_lane.ending_ids(self, sp) if sp.num_beams > 1 else self.eos_token_ids
             vocab = constraints.vocab_for(self.tokenizer, self.model.config.vocab_size,
-                                          exclude_ids=self.eos_token_ids)
-            grammar = constraints.compile_format(sp.response_format, vocab)  # cached
+                                          exclude_ids=ending)
+            grammar = constraints.compile_format(sp.response_format, vocab,
+                                                 budget=self.compile_budget, cancelled=cancelled)
         seed = sp.seed if sp.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
         key = decode.sample_keys(seed_key_data(seed), sp.n)[index]  # as jd.generate does
         rid = request_id or f"req-{next(self._ids)}"
         return RequestHandle(self, rid, prompt_ids, sp, prompt if isinstance(prompt, str) else None,
                              seed, key, prompt_index, index,
-                             output_kind or sp.output_kind, grammar)
+                             output_kind or sp.output_kind, grammar, device_sp)
 
     def _enqueue(self, handles: list, block: bool) -> None:
         """Queue handles together (the engine admits them in one prefill when slots allow)."""
@@ -601,9 +629,12 @@ class LLM:
                     break
                 idle = (in_flight is None and not any(self._slots) and not self._queue
                         and not self._jobs)
-                if idle:
+                if idle and (self.degraded is None or time.monotonic() < self._next_probe):
                     self._cond.wait(0.5)
                     continue
+            if idle:  # degraded with nothing to run: check the device itself
+                self._check_device()
+                continue
             try:
                 self._run_jobs()
                 self._sweep_queue()
@@ -618,11 +649,9 @@ class LLM:
                     with self._cond:  # every live row is paused: wait for the readers
                         if any(self._slots) and not self._queue and not self._closed:
                             self._cond.wait(0.01)
-            except Exception as exc:  # a device or model failure: fail the affected requests
-                logger.exception("engine step failed")
-                self.error = f"{type(exc).__name__}: {exc}"
+            except Exception as exc:  # a failed step: isolate the request behind it
                 in_flight = None
-                self._fail_all(ErrorCode.MODEL_ERROR, self.error)
+                self._recover(exc)
         self._shutdown()
 
     def _run_jobs(self) -> None:
@@ -657,10 +686,11 @@ class LLM:
             queued = list(self._queue)
         now = time.monotonic()
         for r in queued:
-            if r.lifecycle.observe_cancel():
-                self._end_cancelled(r)
-            elif r.deadline is not None and now >= r.deadline:
-                self._end(r, FinishReason.DEADLINE_EXCEEDED)
+            with self._isolated(r):
+                if r.lifecycle.observe_cancel():
+                    self._end_cancelled(r)
+                elif r.deadline is not None and now >= r.deadline:
+                    self._end(r, FinishReason.DEADLINE_EXCEEDED)
         with self._cond:
             self._queue = collections.deque(r for r in self._queue if not r.lifecycle.is_terminal)
             self._cond.notify_all()
@@ -680,50 +710,59 @@ class LLM:
         with self._cond:
             batch = [self._queue.popleft() for _ in range(min(len(free), len(self._queue)))]
             self._cond.notify_all()
-        if self._state is None and batch:
+        if not batch:
+            return
+        self._admitting = batch  # suspects, should a device call below fail (`_recover`)
+        if self._state is None:
             self._device(step_ops.init(self.max_slots, self.max_len, self.eos_token_ids))
         fresh = [r for r in batch if r.restored is None]
         restored = [r for r in batch if r.restored is not None]
-        try:
-            for r, slot in zip(restored, free[len(fresh):]):
-                self._insert_restored(r, slot)
-            if fresh:
-                self._prefill_into(fresh, free[:len(fresh)])
-        except Exception as exc:  # fail the admitted requests that never reached a slot
-            message = f"{type(exc).__name__}: {exc}"
-            for r in batch:
-                if r.slot is None or self._slots[r.slot] is not r:
-                    self._fail(r, ErrorCode.MODEL_ERROR, message)
-            raise
+        for r, slot in zip(restored, free[len(fresh):]):
+            self._insert_restored(r, slot)
+        if fresh:
+            for r in fresh:  # a request requeued by `_recover` is DECODING already
+                r.lifecycle.try_transition(RequestState.PREFILLING)
+            self._prefill_into(fresh, free[:len(fresh)])
+            for r in fresh:
+                if not r.lifecycle.try_transition(RequestState.DECODING):
+                    r.lifecycle.record("engine.resumed", selected=r.selected)
+        self._admitting = []
 
     def _prefill_into(self, batch: list, free: list) -> None:
-        """Prefill the admitted requests as one padded batch and scatter them into slots."""
-        for r in batch:
-            r.lifecycle.transition(RequestState.PREFILLING)
+        """Prefill the requests as one padded batch and scatter them into slots `free`. A
+        request that already selected tokens (requeued by `_recover`) is prefilled with its
+        prompt and those tokens and goes on at its own step: its penalty counts, RNG step and
+        grammar state are those it had, so it selects what it would have selected."""
         n = 1 << (len(batch) - 1).bit_length()
-        t = decode.bucket(max(len(r.prompt_ids) for r in batch), self.max_len)
+        inputs = [r.prompt_ids + r.token_ids for r in batch]
+        t = decode.bucket(max(map(len, inputs)), self.max_len)
         tokens = np.zeros((n, t), np.int32)
         lengths = np.ones((n,), np.int32)
         targets = np.full((n,), self.max_slots, np.int32)  # padding rows are dropped
         sampling, keys = [SamplingParams()] * n, np.zeros((n, 2), np.uint32)
-        for i, (r, slot) in enumerate(zip(batch, free)):
-            tokens[i, :len(r.prompt_ids)] = r.prompt_ids
-            lengths[i], targets[i], keys[i] = len(r.prompt_ids), slot, r.key_data
-            sampling[i] = dataclasses.replace(  # a Python int: SamplingParams rejects np.int32
-                r.sampling, max_tokens=min(r.sampling.max_tokens,
-                                           self.max_len - len(r.prompt_ids)))
+        resume = None
+        if any(r.token_ids for r in batch):
+            resume = (np.zeros((n,), np.int32), np.zeros((n, self.model.config.vocab_size),
+                                                          np.int32), np.full((n,), -1, np.int32))
+        for i, (r, ids, slot) in enumerate(zip(batch, inputs, free)):
+            tokens[i, :len(ids)] = ids
+            lengths[i], targets[i], keys[i] = len(ids), slot, r.key_data
+            sampling[i] = r.device_sampling
+            if resume is not None and r.token_ids:
+                resume[0][i], resume[2][i] = len(r.token_ids), r.token_ids[-1]
+                np.add.at(resume[1][i], r.token_ids, 1)
         rows = RowParams.build(sampling, self.model.config.vocab_size, self.eos_token_ids,
                                keys=keys)
         initial, states = self._grammar_tables(batch), None
         if initial is not None:
             states = np.full((n,), -1, np.int32)
-            states[:len(batch)] = initial
-        self._device(step_ops.admit(tokens, lengths, targets, rows, states))
+            states[:len(batch)] = [s + r.grammar.walk(r.token_ids) if r.grammar is not None
+                                   else s for s, r in zip(initial, batch)]
+        self._device(step_ops.admit(tokens, lengths, targets, rows, states, resume))
         for r, slot in zip(batch, free):
             self._release[slot] = False
-            r.slot, r.dispatched = slot, 0
+            r.slot, r.dispatched, r.in_flight = slot, len(r.token_ids), 0
             self._slots[slot] = r
-            r.lifecycle.transition(RequestState.DECODING)
 
     def _grammar_tables(self, batch: list) -> Optional[np.ndarray]:
         """Keep one table set for the constraints of the live slots plus `batch` (existing ones
@@ -762,18 +801,25 @@ class LLM:
         self._paused = paused
         if not live:
             return None
-        if self._spec is not None:
-            longest = max(self._spec.kv_needed(r) for r in live)
-        else:
-            longest = max(len(r.prompt_ids) + r.dispatched + 1 for r in live)
-        kv_len = min(max(decode.bucket(longest), KV_BUCKET_MIN), self.max_len)
+        op = self._step_op(live)
         for r in live:
             r.dispatched += 1
             r.in_flight += 1
             r.lifecycle.record("decode.started", step=r.dispatched)
+        out = self._device(op)
+        return _Dispatched(out=out, owners=[r if r in live else None for r in owners],
+                           top_k=op.scalar("top_logprobs"))
+
+    def _step_op(self, live: list) -> step_ops.StepOp:
+        """The STEP op for these live rows: the attention bucket covering each of them, and the
+        top-k of logprobs when one asked."""
+        if self._spec is not None:
+            longest = max((self._spec.kv_needed(r) for r in live), default=1)
+        else:
+            longest = max((len(r.prompt_ids) + r.dispatched + 1 for r in live), default=1)
+        kv_len = min(max(decode.bucket(longest), KV_BUCKET_MIN), self.max_len)
         k = self.logprobs_k if any(r.logprobs is not None for r in live) else 0
-        out = self._device(step_ops.step(kv_len, k))
-        return _Dispatched(out=out, owners=[r if r in live else None for r in owners], top_k=k)
+        return step_ops.step(kv_len, k)
 
     def _device(self, op: step_ops.StepOp) -> Any:
         """Every device call of the engine thread: published to the step hook, then applied
@@ -790,15 +836,17 @@ class LLM:
         out = step.out
         lp_arrays = (out.logprob, out.top_ids, out.top_logprobs) if step.top_k else ()
         fetched = jax.device_get((out.token, out.finish) + lp_arrays)  # one transfer
+        self.degraded = None  # a step succeeded
         tokens, finish = fetched[:2]
         logprob, top_ids, top_lps = fetched[2:] if step.top_k else (None, None, None)
         for slot, r in self._owned_rows(step):
             token, code = int(tokens[slot]), int(finish[slot])
             if token < 0:
                 continue
-            entry = (_logprob_entry(r, token, logprob[slot], top_ids[slot], top_lps[slot])
-                     if r.logprobs is not None else None)
-            self._on_token(r, token, code, entry)
+            with self._isolated(r):
+                entry = (_logprob_entry(r, token, logprob[slot], top_ids[slot], top_lps[slot])
+                         if r.logprobs is not None else None)
+                self._on_token(r, token, code, entry)
         self._sweep_slots()
 
     def _owned_rows(self, step: _Dispatched) -> Iterator[tuple[int, RequestHandle]]:
@@ -822,18 +870,20 @@ class LLM:
         order, the earlier ones RUNNING and the last with the round's finish code; once the
         request ends (a stop string, a cancel) the rest of its tokens are dropped."""
         out = jax.device_get(step.out)  # one transfer (the top-k arrays are empty when 0)
+        self.degraded = None  # a step succeeded
         for slot, r in self._owned_rows(step):
-            self._spec.count(r, out, slot)
-            count = int(out.count[slot])
-            for i in range(count):
-                code = int(out.finish[slot]) if i == count - 1 else RUNNING
-                token = int(out.tokens[slot, i])
-                entry = (_logprob_entry(r, token, out.logprob[slot, i], out.top_ids[slot, i],
-                                        out.top_logprobs[slot, i])
-                         if r.logprobs is not None else None)
-                self._on_token(r, token, code, entry)
-                if r.lifecycle.is_terminal:
-                    break
+            with self._isolated(r):
+                self._spec.count(r, out, slot)
+                count = int(out.count[slot])
+                for i in range(count):
+                    code = int(out.finish[slot]) if i == count - 1 else RUNNING
+                    token = int(out.tokens[slot, i])
+                    entry = (_logprob_entry(r, token, out.logprob[slot, i],
+                                            out.top_ids[slot, i], out.top_logprobs[slot, i])
+                             if r.logprobs is not None else None)
+                    self._on_token(r, token, code, entry)
+                    if r.lifecycle.is_terminal:
+                        break
         self._sweep_slots()
 
     def speculative_stats(self) -> dict:
@@ -851,10 +901,11 @@ class LLM:
                 continue
             if r.user_paused and r.in_flight == 0:
                 r._settled.set()
-            if r.lifecycle.observe_cancel():
-                self._end_cancelled(r)
-            elif r.deadline is not None and now >= r.deadline:
-                self._end(r, FinishReason.DEADLINE_EXCEEDED)
+            with self._isolated(r):
+                if r.lifecycle.observe_cancel():
+                    self._end_cancelled(r)
+                elif r.deadline is not None and now >= r.deadline:
+                    self._end(r, FinishReason.DEADLINE_EXCEEDED)
 
     def _on_token(self, r: RequestHandle, token: int, code: int,
                   entry: Optional[TokenLogprob]) -> None:
@@ -925,12 +976,102 @@ class LLM:
         r._done.set()
         self._wake()
 
-    def _fail_all(self, error: ErrorCode, message: str) -> None:
-        with self._cond:
-            victims = list(self._queue) + [r for r in self._slots if r is not None]
-            self._queue.clear()
-        for r in victims:
-            self._fail(r, error, message)
+    @contextlib.contextmanager
+    def _isolated(self, r: RequestHandle) -> Iterator[None]:
+        """Host work for one request: an exception fails that request alone (its text
+        pipeline failed: `decoding_error`), never the engine thread."""
+        try:
+            yield
+        except Exception as exc:
+            logger.exception("request %s failed in the host pipeline", r.request_id)
+            self._fail(r, ErrorCode.DECODING_ERROR, f"{type(exc).__name__}: {exc}")
+
+    # -- faults (SPEC §1: one bad request never hurts another) -----------------------------------
+
+    def health(self) -> dict:
+        """{"status": "ok" | "degraded" | "closed", "reason": ...}: degraded from a failed step
+        (reason: its error) until a step succeeds again."""
+        if self._closed:
+            return {"status": "closed", "reason": "the engine is closed"}
+        if self.degraded is not None:
+            return {"status": "degraded", "reason": self.degraded}
+        return {"status": "ok", "reason": None}
+
+    def _recover(self, exc: Exception) -> None:
+        """A step failed and took the device state with it. Every running request is a
+        suspect: rebuilt in a fresh state from its prompt and selected tokens, with one step,
+        groups of suspects are retried, halving (`faults.find_culprits`). A request that fails
+        alone ends FAILED (`model_error`); the others are requeued first and go on from where
+        they were, selecting the tokens they would have selected. When even an empty step fails,
+        or no single request explains the failure, the device is at fault: the running
+        requests fail. A request met by MAX_FAULTS failed steps fails too (no endless retry).
+        Health is degraded (`health()`) from here until a step succeeds."""
+        reason = f"{type(exc).__name__}: {exc}"
+        logger.error("engine step failed: %s", reason, exc_info=exc)
+        self.error = self.degraded = reason
+        suspects = [r for r in dict.fromkeys(self._admitting + self._slots)
+                    if r is not None and not r.lifecycle.is_terminal]
+        self._admitting = []
+        # the failing step is one of those in flight, beyond what the host has processed
+        probe = functools.partial(self._probe, steps=1 + max(
+            (r.in_flight for r in suspects), default=0))
+        for r in suspects:
+            r.faults += 1
+            r.lifecycle.record("engine.fault", error=reason)
+        try:
+            self._reset_device()
+            for r in (r for r in suspects if r.faults > MAX_FAULTS):
+                self._fail(r, ErrorCode.MODEL_ERROR, f"{r.faults} engine steps failed while "
+                           f"this request ran; the last: {reason}")
+            suspects = [r for r in suspects if not r.lifecycle.is_terminal]
+            try:
+                self._probe([])
+                found = faults.find_culprits(suspects, probe) if suspects else None
+            except Exception as device_exc:  # the device fails with no request on it
+                found, reason = [], f"{type(device_exc).__name__}: {device_exc}"
+            for r, culprit_exc in found or ():
+                self._fail(r, ErrorCode.MODEL_ERROR, "the model failed on this request's data "
+                           f"(other requests go on): {type(culprit_exc).__name__}: "
+                           f"{culprit_exc}")
+        except Exception as recovery_exc:  # never leave a suspect hanging
+            logger.exception("engine recovery failed")
+            found, reason = [], f"{reason}; recovery: {recovery_exc!r}"
+        if found == []:  # the device, or no single request explains it
+            for r in suspects:
+                self._fail(r, ErrorCode.MODEL_ERROR, "the engine step failed and no single "
+                           f"request explains it: {reason}")
+        innocent = [r for r in suspects if not r.lifecycle.is_terminal]
+        with self._cond:  # they go on first, in their order
+            self._queue.extendleft(reversed(innocent))
+            self._cond.notify_all()
+
+    def _probe(self, group: list, steps: int = 1) -> None:
+        """Rebuild `group` in a fresh state and run `steps` steps, as the engine would (raises
+        what they raise); the state is discarded either way."""
+        try:
+            self._device(step_ops.init(self.max_slots, self.max_len, self.eos_token_ids))
+            if group:
+                self._prefill_into(group, list(range(len(group))))
+            for _ in range(steps):
+                jax.block_until_ready(self._device(self._step_op(group)))
+                for r in group:
+                    r.dispatched, r.in_flight = r.dispatched + 1, r.in_flight + 1
+        finally:
+            for r in group:
+                r.slot = None
+            self._reset_device()
+
+    def _check_device(self) -> None:
+        """Idle and degraded: an empty step tells whether the device works again."""
+        try:
+            self._probe([])
+            self.degraded = None
+        except Exception as exc:
+            self.degraded = f"{type(exc).__name__}: {exc}"
+            self._next_probe = time.monotonic() + 1.0
+
+    def _reset_device(self) -> None:
+        """Drop the device state and every slot assignment (the requests stay as they are)."""
         self._device(step_ops.reset())
         self._bundle = None
         self._slots = [None] * self.max_slots

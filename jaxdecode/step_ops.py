@@ -94,13 +94,18 @@ def init(max_slots: int, max_len: int, eos_token_ids: Sequence[int]) -> StepOp:
 
 
 def admit(tokens: np.ndarray, lengths: np.ndarray, targets: np.ndarray, rows: RowParams,
-          grammar_state: Optional[np.ndarray] = None) -> StepOp:
+          grammar_state: Optional[np.ndarray] = None,
+          resume: Optional[tuple[np.ndarray, np.ndarray, np.ndarray]] = None) -> StepOp:
     """Prefill tokens int32[n, T] (lengths int32[n]) and scatter row i into slot targets[i]
-    (max_slots drops a padding row); rows: RowParams of numpy arrays."""
+    (max_slots drops a padding row); rows: RowParams of numpy arrays. `resume` = (step int32[n],
+    counts int32[n, V], last token int32[n]) for rows whose tokens end with output they already
+    selected (`LLM._recover`): the row continues at that step with those penalty counts."""
     arrays = {"tokens": tokens, "lengths": lengths, "targets": targets}
     arrays.update({"rows." + k: np.asarray(v) for k, v in vars(rows).items()})
     if grammar_state is not None:
         arrays["grammar_state"] = grammar_state
+    if resume is not None:
+        arrays.update(zip(("resume.step", "resume.counts", "resume.last_token"), resume))
     return StepOp(ADMIT, arrays)
 
 
@@ -224,6 +229,11 @@ def apply(ctx: Context, state: Optional[StepState], op: StepOp) -> tuple[Optiona
                                        ctx.max_len)
         if "grammar_state" in a:
             prefilled = prefilled.replace(grammar_state=a["grammar_state"])
+        if "resume.step" in a:
+            resumed = {"step": a["resume.step"], "counts": a["resume.counts"]}
+            if isinstance(prefilled, StepState):  # a SpecState keeps its history instead
+                resumed["last_token"] = a["resume.last_token"]
+            prefilled = prefilled.replace(**resumed)
         return _slot_ops(ctx).insert(state, prefilled, a["targets"]), None
     if op.code == RESTORE:
         target = np.array([op.scalar("slot")], np.int32)

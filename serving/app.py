@@ -14,18 +14,24 @@ with ``num_beams`` > 1 the n choices are the n best beams of one search (`LLM.su
 ``logprobs`` / ``top_logprobs`` are answered in OpenAI's formats (`serving.protocol`), also in
 every streaming chunk that carries tokens; ``echo``, ``best_of`` != n, ``suffix`` and ``tools``
 get a 400 "not supported" instead of a silent no-op; ``response_format`` goes to the engine, which
-enforces it inside the decode step; a constraint it cannot compile raises
-ValueError("response_format: ...") and becomes a 400 naming ``response_format``.
+enforces it inside the decode step; a constraint it cannot compile -- or not within the
+engine's compile budget -- raises ValueError("response_format: ...") and becomes a 400 naming
+``response_format``; a client that disconnects while its constraint compiles abandons the
+compile (`submit_watching`).
 
-Status codes: 400 bad input (pydantic errors too, never 422); 401 bad or missing key; 404 an
+Status codes: 400 bad input (pydantic errors too, never 422; a body nested deeper than the JSON
+parser's limit names the top-level field holding the nesting); 401 bad or missing key; 404 an
 unknown model / route / stream; 413 a body over `max_body_bytes`; 429 with ``Retry-After`` when
-the admission queue is full (`QueueFull`); 503 when the engine is closed. A request that the
-engine fails (``failed`` event) gets, without streaming, 500 ``server_error`` for a model,
-decoding or buffer failure and 400 for request-caused ones (all tokens masked, grammar dead
-end); while
-streaming, an SSE event ``{"error": {...}}`` for that choice. /health answers 503 with the
-engine's error once `LLM.error` is set (an engine step failed; its requests were failed and the
-engine thread went on).
+the admission queue is full (`QueueFull`); 503 when the engine is closed. Every validation
+happens before the engine queues anything (`jd.LLM.submit`), so one request's bad values never
+reach another's step. A request that the engine fails (``failed`` event) gets, without
+streaming, 500 ``server_error`` for a model, decoding or buffer failure and 400 naming the
+field for request-caused ones (all tokens masked: ``logit_bias``, grammar dead end:
+``response_format``); while streaming, an SSE event ``{"error": {...}}`` for that choice. An
+unexpected exception is answered 500 ``internal_error`` by the route itself, so the keep-alive
+connection survives. /health: 200 ``{"status": "ok"}``; 503 with ``status: "degraded"`` and
+the ``reason`` from an engine step that failed until a step succeeds again (`LLM.health()`), or
+``status: "closed"``.
 
 `speculative` (the setting `jaxdecode serve --speculative` built the engine with, e.g.
 ``{"draft": "prompt_lookup", "k": 4, "ngram_max": 3, "ngram_min": 1}``) is reported by /health
@@ -52,9 +58,10 @@ import hmac
 import json
 import logging
 import os
+import threading
 import time
 import uuid
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import anyio
 from fastapi import FastAPI, Request
@@ -74,15 +81,16 @@ from serving.metrics import Metrics
 from serving.protocol import (ApiError, ChatCompletionRequest, CompletionRequest, bad_request,
                               check_unsupported, choice_seed, error_from_value_error,
                               format_logprobs, max_tokens_field, openai_finish_reason,
-                              parse_request, sampling_params, top_logprobs_count, MAX_N)
+                              parse_request, sampling_params, top_logprobs_count)
 from serving.streams import ResponseLog, StreamRegistry
 
 ON_DISCONNECT = ("cancel", "continue")
-# error codes of a failed request that the request itself caused (400, not 500)
-# (decoding_error is not one: text is decoded with "replace", so only a model that samples ids
-# outside its tokenizer's vocabulary can cause it)
-_CLIENT_ERRORS = {ErrorCode.ALL_TOKENS_MASKED, ErrorCode.GRAMMAR_DEAD_END,
-                  ErrorCode.INVALID_REQUEST}
+# error codes of a failed request that the request itself caused (400, not 500), with the
+# field that caused it (decoding_error is not one: text is decoded with "replace", so only a
+# model that samples ids outside its tokenizer's vocabulary can cause it)
+_CLIENT_ERRORS = {ErrorCode.ALL_TOKENS_MASKED: "logit_bias",
+                  ErrorCode.GRAMMAR_DEAD_END: "response_format",
+                  ErrorCode.INVALID_REQUEST: None}
 
 
 def _ended(handle: Any) -> bool:
@@ -93,6 +101,18 @@ def _ended(handle: Any) -> bool:
 
 def _terminal(handle: Any):
     return handle.lifecycle.stream.terminal_event
+
+
+def _failure(data: dict) -> ApiError:
+    """The error of a request the engine failed (its `failed` event's data): 400 naming the
+    field for what the request itself caused, else 500."""
+    code = ErrorCode(data["error"]) if data.get("error") else ErrorCode.MODEL_ERROR
+    message = f"generation failed: {data.get('message') or code.value}"
+    if code in _CLIENT_ERRORS:
+        param = _CLIENT_ERRORS[code]
+        return ApiError(400, f"{param}: {message}" if param else message, param=param,
+                        code=code.value)
+    return ApiError(500, message, code=code.value, type="server_error")
 
 
 def _json(obj: Any) -> str:
@@ -320,9 +340,10 @@ class Server:
 
     # -- submission -------------------------------------------------------------------------------
 
-    def _submit(self, req: Any, chat: bool, request_id: str, stream: bool) -> tuple[list, list]:
-        """Validate, tokenize and queue every choice (runs in a worker thread). Returns
-        (handles, prompt ids)."""
+    def _submit(self, req: Any, chat: bool, request_id: str, stream: bool,
+                cancelled: Callable[[], bool]) -> tuple[list, list]:
+        """Validate, tokenize and queue every choice (runs in a worker thread; `cancelled()`
+        true abandons a constraint compile). Returns (handles, prompt ids)."""
         llm = self.llm
         check_unsupported(req, chat=chat, max_n=self.max_n)
         n = 1 if req.n is None else req.n
@@ -344,13 +365,14 @@ class Server:
             try:
                 if sp.num_beams > 1:  # one search, its n best beams as the n choices
                     handles = llm.submit_beams(ids, dataclasses.replace(sp, n=n),
-                                               request_id=request_id)
+                                               request_id=request_id, cancelled=cancelled)
                 else:
                     for i in range(n):
                         sp_i = sp if n == 1 else dataclasses.replace(
                             sp, seed=choice_seed(sp.seed, i))
                         rid = request_id if n == 1 else f"{request_id}-{i}"
-                        handles.append(llm.submit(ids, sp_i, request_id=rid))
+                        handles.append(llm.submit(ids, sp_i, request_id=rid,
+                                                  cancelled=cancelled))
             except BaseException:
                 for h in handles:
                     h.cancel()
@@ -366,6 +388,22 @@ class Server:
                            type="server_error") from None
         return handles, ids
 
+    async def submit_watching(self, request: Request, *args) -> tuple[list, list]:
+        """`_submit` in a worker thread while the client is watched: a disconnect abandons a
+        constraint compile in progress (its worker process is killed)."""
+        gone = threading.Event()
+
+        async def watch() -> None:
+            while not await request.is_disconnected():
+                await anyio.sleep(0.1)
+            gone.set()
+
+        watcher = asyncio.get_running_loop().create_task(watch())
+        try:
+            return await anyio.to_thread.run_sync(self._submit, *args, gone.is_set)
+        finally:
+            watcher.cancel()
+
     async def complete(self, request: Request, chat: bool) -> Response:
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         endpoint = "/v1/chat/completions" if chat else "/v1/completions"
@@ -375,10 +413,13 @@ class Server:
             req = parse_request(ChatCompletionRequest if chat else CompletionRequest, body)
             self.check_model(req.model)
             stream = bool(req.stream)
-            handles, ids = await anyio.to_thread.run_sync(
-                self._submit, req, chat, request_id, stream)
+            handles, ids = await self.submit_watching(request, req, chat, request_id, stream)
         except ApiError as err:
             return self.reject(err, request_id, endpoint)
+        except Exception:  # answered here: an exception past the route would drop the connection
+            logging.getLogger("serving").exception("request %s failed", request_id)
+            return self.reject(ApiError(500, "internal server error", code="internal_error",
+                                        type="server_error"), request_id, endpoint)
         fields = dict(request_id=request_id, endpoint=endpoint, stream=stream, n=len(handles),
                       prompt_tokens=len(ids), max_tokens=handles[0].sampling.max_tokens)
         if self.log_prompts:
@@ -442,13 +483,7 @@ class Server:
             term = _terminal(h)
             data = term.data if term is not None else {}
             if term is None or term.kind == "failed":
-                code = ErrorCode(data["error"]) if data.get("error") else ErrorCode.MODEL_ERROR
-                msg = data.get("message") or code.value
-                client = code in _CLIENT_ERRORS
-                err = ApiError(400 if client else 500, f"generation failed: {msg}",
-                               code=code.value,
-                               type="invalid_request_error" if client else "server_error")
-                return error_response(err, tracked.request_id)
+                return error_response(_failure(data), tracked.request_id)
             usage = h.usage()
             completion_tokens += usage.selected_tokens
             choices.append(self._final_choice(h, i, chat, tracked, text=h.pipeline.text))
@@ -514,13 +549,7 @@ class Server:
                 choice = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": None}
             return self._chunk(log, choice)
         if ev.kind == "failed":
-            code = ErrorCode(ev.data["error"]) if ev.data.get("error") else ErrorCode.MODEL_ERROR
-            client = code in _CLIENT_ERRORS
-            err = ApiError(400 if client else 500,
-                           f"generation failed: {ev.data.get('message') or code.value}",
-                           code=code.value,
-                           type="invalid_request_error" if client else "server_error")
-            return _json({**err.body(), "id": log.request_id, "index": i})
+            return _json({**_failure(ev.data).body(), "id": log.request_id, "index": i})
         if ev.kind in TERMINAL_KINDS:  # completed / cancelled
             base = ({"index": i, "delta": {}, "logprobs": None} if log.chat
                     else {"index": i, "text": "", "logprobs": None})
@@ -637,15 +666,14 @@ class Server:
 
     def health(self) -> JSONResponse:
         llm = self.llm
-        body = {"status": "ok", "model": self.model_name, "running": llm.num_running,
-                "waiting": llm.num_waiting}
+        state = llm.health()
+        body = {"status": state["status"], "model": self.model_name,
+                "running": llm.num_running, "waiting": llm.num_waiting}
+        if state["reason"] is not None:
+            body["reason"] = state["reason"]
         if self.speculative is not None:
             body["speculative"] = self.speculative
-        closed = getattr(llm, "_closed", False)
-        if llm.error is not None or closed:
-            body.update(status="error", error=llm.error or "the engine is closed")
-            return JSONResponse(body, status_code=503)
-        return JSONResponse(body)
+        return JSONResponse(body, status_code=200 if state["status"] == "ok" else 503)
 
     def models(self) -> dict:
         return {"object": "list", "data": [self.model_card()]}
@@ -661,7 +689,7 @@ class Server:
 def create_app(llm: Any, *, model_name: str, api_key: Optional[str] = None,
                on_disconnect: str = "cancel", max_body_bytes: int = 4 << 20,
                log_prompts: bool = False, stream_ttl_s: float = 600.0,
-               max_kept_streams: int = 256, retry_after_s: int = 1, max_n: int = MAX_N,
+               max_kept_streams: int = 256, retry_after_s: int = 1, max_n: Optional[int] = None,
                keepalive_s: float = 15.0, close_llm_on_shutdown: bool = False,
                record_dir: Optional[str] = None,
                speculative: Optional[dict] = None) -> FastAPI:
@@ -673,7 +701,8 @@ def create_app(llm: Any, *, model_name: str, api_key: Optional[str] = None,
     server = Server(llm, model_name=model_name, api_key=api_key, on_disconnect=on_disconnect,
                     max_body_bytes=max_body_bytes, log_prompts=log_prompts,
                     stream_ttl_s=stream_ttl_s, max_kept_streams=max_kept_streams,
-                    retry_after_s=retry_after_s, max_n=max(1, min(max_n, llm.max_queue)),
+                    retry_after_s=retry_after_s,
+                    max_n=max(1, min(max_n or llm.limits.max_n, llm.max_queue)),
                     keepalive_s=keepalive_s, record_dir=record_dir, speculative=speculative)
 
     import contextlib

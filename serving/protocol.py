@@ -39,7 +39,7 @@ the tokens of their delta (see `jaxdecode.engine` for which tokens those are).
 from __future__ import annotations
 
 import re
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Annotated, Any, Callable, Optional, Sequence, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -59,8 +59,9 @@ OPENAI_FINISH = {
     FinishReason.MODEL_ERROR: "abort",
 }
 
-MAX_N = 128
 MIN_LOGPROB = -9999.0
+MAX_MESSAGES = 2048      # chat messages per request
+MAX_CONTENT_PARTS = 256  # content parts per message
 
 
 def openai_finish_reason(reason: Any) -> str:
@@ -142,12 +143,13 @@ class ContentPart(_Model):
 
 class ChatMessage(_Model):
     role: str
-    content: Optional[Union[str, list[ContentPart]]] = None
+    content: Optional[Union[str, Annotated[list[ContentPart],
+                                           Field(max_length=MAX_CONTENT_PARTS)]]] = None
     name: Optional[str] = None
 
 
 class ChatCompletionRequest(_Common):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: Optional[int] = None
     logprobs: Optional[bool] = None
     top_logprobs: Optional[int] = None
@@ -172,15 +174,50 @@ def _param_from_loc(loc: tuple) -> Optional[str]:
     return out or None
 
 
+_JSON_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}:]')
+_AT = re.compile(r"at line (\d+) column (\d+)")
+
+
+def _field_at(body: bytes, message: str) -> Optional[str]:
+    """The top-level field whose value holds the position a JSON error `message` names (`at
+    line L column C`), or None."""
+    m = _AT.search(message)
+    if m is None:
+        return None
+    lines = body.split(b"\n")
+    line, column = int(m.group(1)), int(m.group(2))
+    offset = sum(len(x) + 1 for x in lines[:line - 1]) + column - 1
+    text = body[:offset].decode("utf-8", "replace")
+    depth, key, last = 0, None, None
+    for token in _JSON_TOKEN.findall(text):
+        if token in "[{":
+            depth += 1
+        elif token in "]}":
+            depth -= 1
+        elif token == ":":
+            if depth == 1 and last is not None:
+                key = last[1:-1]
+        else:
+            last = token
+    return key
+
+
 def parse_request(model: type, body: bytes):
-    """Parse and validate a JSON body; raises ApiError(400) naming the bad field."""
+    """Parse and validate a JSON body; raises ApiError(400) naming the bad field. A body
+    nested too deeply for the parser (about 200 levels) names the top-level field holding the
+    nesting."""
     try:
         return model.model_validate_json(body)
     except ValidationError as exc:
         errors = exc.errors(include_url=False)
         first = errors[0] if errors else {"loc": (), "msg": str(exc), "type": "invalid"}
         if first.get("type") == "json_invalid":
-            raise bad_request(f"the request body is not valid JSON: {first.get('msg')}",
+            msg = first.get("msg", "")
+            param = _field_at(body, msg) if "recursion limit" in msg else None
+            if param is not None:
+                raise bad_request(f"{param}: nests too deeply ({msg})", param,
+                                  "invalid_value") from None
+            raise bad_request(f"the request body is not valid JSON: {msg}",
                               code="invalid_json") from None
         param = _param_from_loc(tuple(first.get("loc", ())))
         kind = "missing_required_parameter" if first.get("type") == "missing" else "invalid_type"

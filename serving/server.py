@@ -2,6 +2,8 @@
 
     jaxdecode serve --model DIR|demo --host 127.0.0.1 --port 8000 --max-slots N --max-len N
                     [--api-key KEY] [--on-disconnect cancel|continue] [--max-queue N]
+                    [--max-num-beams B] [--max-n N] [--max-constraint-compile-s S]
+                    [--max-constraint-states S]
                     [--model-name NAME] [--record-dir DIR] [--log-prompts] [--max-body-bytes N] [--warmup]
                     [--speculative prompt_lookup|demo-draft|DIR] [--num-speculative-tokens K]
                     [--mesh data=N,model=M] [--distributed [--coordinator-address HOST:PORT
@@ -115,7 +117,9 @@ def main(args: Any) -> int:
     try:
         llm = LLM(model, params, tokenizer, max_slots=args.max_slots, max_len=max_len,
                   max_queue=args.max_queue, model_source=args.model, mesh=mesh,
-                  speculative=speculative, step_hook=hook)
+                  speculative=speculative, step_hook=hook, max_num_beams=args.max_num_beams,
+                  max_n=args.max_n, max_constraint_compile_s=args.max_constraint_compile_s,
+                  max_constraint_states=args.max_constraint_states)
     except ValueError as e:  # on every process: a follower never waits for a failed leader
         raise flag_error(e)
     if distributed and jax.process_index() != 0:  # built only to check the flags
@@ -162,6 +166,12 @@ def add_arguments(p: Any) -> None:
                    help="tokens per sequence, prompt + output (default: the model's, <= 4096)")
     p.add_argument("--max-queue", type=int, default=1024,
                    help="admission queue bound; a full queue answers 429")
+    p.add_argument("--max-num-beams", type=int, default=16, help="largest num_beams accepted")
+    p.add_argument("--max-n", type=int, default=128, help="largest n accepted (<= --max-queue)")
+    p.add_argument("--max-constraint-compile-s", type=float, default=30.0,
+                   help="time budget of one response_format compile (400 above it)")
+    p.add_argument("--max-constraint-states", type=int, default=20000,
+                   help="automaton state cap of one response_format (400 above it)")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' (also $JAXDECODE_API_KEY); "
                         "/health stays open")

@@ -97,3 +97,42 @@ class HookedModel(ScriptedModel):
 
         zero = io_callback(call, jax.ShapeDtypeStruct((), jnp.float32), positions, lengths)
         return logits + zero, cache
+
+
+@dataclasses.dataclass(frozen=True)
+class MarkedModel(Bigram):
+    """A Bigram whose forward raises -- at run time, inside the jitted call, like a device fault
+    -- when a real input token is `mark`: the test model of a request whose data makes the step
+    fail. `chain` ids lead to the mark: each row's peak is the next id of the chain, the last
+    one's is `mark`; no other row ever selects a chain id or the mark (logits -30), so only a
+    request whose prompt ends in chain[0] reaches it, len(chain) steps in."""
+
+    mark: int = -1
+
+    @classmethod
+    def make(cls, seed, vocab=24, chain=(16, 17, 18, 19, 20), mark=23, max_len=64):
+        import numpy as np
+
+        table = np.random.default_rng(seed).normal(size=(vocab, vocab)) * 1.5
+        table[:, list(chain) + [mark]] = -30.0
+        for a, b in zip(chain, list(chain[1:]) + [mark]):
+            table[a, b] = 30.0
+        cfg = ModelConfig(vocab_size=vocab, num_layers=1, num_heads=1, num_kv_heads=1,
+                          head_dim=1, max_len=max_len, eos_token_ids=())
+        return cls(cfg, tuple(map(tuple, table.tolist())), mark)
+
+    def forward(self, params, tokens, positions, cache, *, lengths):
+        from jax.experimental import io_callback
+        import numpy as np
+
+        logits, cache = super().forward(params, tokens, positions, cache, lengths=lengths)
+        real = jnp.arange(tokens.shape[1])[None, :] < lengths[:, None]
+        mark = self.mark
+
+        def check(toks, real):
+            if (np.asarray(toks)[np.asarray(real)] == mark).any():
+                raise RuntimeError(f"marked token {mark} in the input")
+            return np.float32(0.0)
+
+        zero = io_callback(check, jax.ShapeDtypeStruct((), jnp.float32), tokens, real)
+        return logits + zero, cache

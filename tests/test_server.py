@@ -521,26 +521,31 @@ def test_queue_full_gets_429_with_retry_after(client, server):
             assert chunks_of(events)[-1]["choices"][0]["finish_reason"] == "length"
 
 
-def test_engine_failure_fails_requests_and_health_reports_it(client, server, llm):
+def test_device_failure_fails_the_running_set_and_health_degrades_then_recovers(client, llm):
+    """Every step fails (the device itself: even an empty step): the running requests fail,
+    /health is 503 degraded with the reason, and 200 again once a step succeeds."""
     try:
         CONTROL["fail"] = True
         r = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 3})
         assert r.status_code == 500
         assert r.json()["error"]["type"] == "server_error"
         assert r.json()["error"]["code"] == "model_error"
+        assert "no single request explains it" in r.json()["error"]["message"]
         _, events = stream_all(client, "/v1/completions",
                                {"model": MODEL, "prompt": "Hi", "max_tokens": 3, "stream": True})
         assert events[-1][1] == "[DONE]"
         assert json.loads(events[-2][1])["error"]["code"] == "model_error"
         h = client.get("/health")
-        assert h.status_code == 503 and "injected device failure" in h.json()["error"]
+        assert h.status_code == 503 and h.json()["status"] == "degraded"
+        assert "injected device failure" in h.json()["reason"]
         CONTROL["fail"] = False
         r = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 3})
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected(2, 3)
     finally:
         CONTROL["fail"] = False
-        llm.error = None
-    assert client.get("/health").status_code == 200
+    h = client.get("/health")
+    assert h.status_code == 200 and h.json()["status"] == "ok" and "reason" not in h.json()
+    assert "injected device failure" in llm.error  # the last failure stays on record
 
 
 # -- results ------------------------------------------------------------------------------------

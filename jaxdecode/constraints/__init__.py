@@ -7,7 +7,10 @@ Pipeline
       -> regex_for(...)                   JSON schema -> regex via outlines-core (formats.py)
       -> compile_regex(regex, vocab)      outlines-core Index over the tokenizer's token bytes,
                                           renumbered into CSR numpy tables; LRU-cached by
-                                          (regex, vocab hash) with compile time (compile.py)
+                                          (regex, vocab hash) with compile time (compile.py);
+                                          size pre-checks (limits.py); with a CompileBudget
+                                          built in a worker process under a deadline, memory
+                                          and state cap (worker.py, index_worker.py)
       -> build_tables([...], V)           one device table set per batch: bit-packed masks,
                                           accepting/has_next flags, dense or CSR next-state
                                           lookup, states concatenated with offsets and sizes
@@ -26,8 +29,8 @@ usual; completion is not delayed by min_tokens.
 
 Using the state elsewhere (engine, beam search, speculative decoding): the grammar state is one
 int32 per row and must move with the KV cache.
-  * Engine: compile at submission (`compile_format`; a ValueError is `invalid_request` with
-    param `response_format`). Keep one `build_tables` bundle for the live slots; pass the
+  * Engine: compile at submission (`compile_format` within the engine's CompileBudget, in the
+    submitting thread; a ValueError is a 400 with param `response_format`). Keep one `build_tables` bundle for the live slots; pass the
     constraints in a stable order and append new ones, so existing offsets never move (else
     the engine moves live rows on device, `step_ops` GRAMMAR). A new row starts at `bundle.initial_state(compiled)`; a free slot is -1.
     Replacing `StepState.grammar` with a bundle of the same bucketed shapes does not recompile.
@@ -40,8 +43,10 @@ int32 per row and must move with the KV cache.
     as `cache.lengths` is rolled back. Rollback is setting the int32, never copying tables.
 """
 
+from jaxdecode.constraints import limits
 from jaxdecode.constraints.compile import (CACHE, CompiledIndex, IndexCache, cache_info,
                                            compile_format, compile_regex)
+from jaxdecode.constraints.worker import CompileBudget, worker_info
 from jaxdecode.constraints.formats import regex_for, validate_response_format
 from jaxdecode.constraints.tables import (DEAD, GrammarTables, TableBundle, build_tables,
                                           completes, mask_logits, next_state,
@@ -50,8 +55,8 @@ from jaxdecode.constraints.vocab import TokenVocab, vocab_for
 from jaxdecode.constraints.batch import prepare_rows
 
 __all__ = [
-    "CACHE", "CompiledIndex", "DEAD", "GrammarTables", "IndexCache", "TableBundle", "TokenVocab",
+    "CACHE", "CompileBudget", "CompiledIndex", "DEAD", "GrammarTables", "IndexCache", "TableBundle", "TokenVocab",
     "build_tables", "cache_info", "compile_format", "compile_regex", "completes", "mask_logits",
     "next_state", "prepare_rows", "regex_for", "state_path", "validate_response_format",
-    "vocab_for",
+    "vocab_for", "worker_info",
 ]

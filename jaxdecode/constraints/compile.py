@@ -14,6 +14,12 @@ we turn that, and a pattern that does not parse, into `ValueError("response_form
 A non-accepting state with no edge (which outlines-core should never produce) is also rejected,
 so every dead end at run time comes from other masks (banned ids, min_tokens), SPEC P2.
 
+Bounded work: every compile first passes `limits.check_pattern` (length and an automaton-size
+estimate against the state cap). With a `CompileBudget` (the engine always gives one) the Index
+is built in a worker process within its time, memory and state limits (worker.py); without one
+(`jd.generate` and the other research calls) it is built in the calling thread under the
+default state cap `limits.MAX_STATES`.
+
 Cache: keyed by (regex, vocab hash), LRU-bounded by entry count and table bytes; every entry
 records its compile time (`CompiledIndex.compile_seconds`); `cache_info()` reports hits,
 misses, entries and total compile seconds.
@@ -25,12 +31,15 @@ import collections
 import dataclasses
 import threading
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
+from jaxdecode.constraints import limits
 from jaxdecode.constraints.formats import fail, regex_for, validate_response_format
+from jaxdecode.constraints.index_worker import index_tables
 from jaxdecode.constraints.vocab import TokenVocab
+from jaxdecode.constraints.worker import CompileBudget, compile_in_worker
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -75,6 +84,15 @@ class CompiledIndex:
                          np.left_shift(np.uint32(1), (self.tokens[keep] % 32).astype(np.uint32)))
         return out
 
+    def walk(self, tokens) -> int:
+        """The state after `tokens` from the initial state (-1 once a token is not allowed)."""
+        state = 0
+        for token in tokens:
+            if state < 0:
+                break
+            state = self.next_state(state, token)
+        return state
+
     def next_state(self, state: int, token: int) -> int:
         """Host reference lookup: the next state, or -1 when the token is not allowed."""
         lo, hi = self.indptr[state], self.indptr[state + 1]
@@ -82,48 +100,31 @@ class CompiledIndex:
         return int(self.targets[k]) if k < hi and self.tokens[k] == token else -1
 
 
-def _build(regex: str, vocab: TokenVocab) -> CompiledIndex:
-    from outlines_core import Index
-
+def _build(regex: str, vocab: TokenVocab, budget: Optional[CompileBudget] = None,
+           cancelled: Optional[Callable[[], bool]] = None) -> CompiledIndex:
+    """Compile after the cheap pre-checks (`limits.check_pattern`): in a worker process within
+    `budget` (worker.py), or -- without one -- here, in this thread, unbounded in time."""
     t0 = time.perf_counter()
-    try:
-        index = Index(regex, vocab.outlines())
-    except Exception as exc:  # outlines-core raises ValueError for both failures
-        msg = str(exc)
-        if "incompatible" in msg:
-            fail(f"the pattern cannot be matched with this tokenizer's vocabulary ({msg})")
-        fail(f"outlines-core cannot compile the pattern {regex[:200]!r}: {msg}")
-    transitions = index.get_transitions()
-    finals = set(index.get_final_states())
-    initial = index.get_initial_state()
-    eos = vocab.outlines_eos
-    order = [initial]
-    number = {initial: 0}
-    edges: list = []
-    for src in order:  # BFS; `order` grows while we walk it
-        out = sorted((tok, dst) for tok, dst in transitions.get(src, {}).items() if tok != eos)
-        for _, dst in out:
-            if dst not in number:
-                number[dst] = len(order)
-                order.append(dst)
-        edges.append(out)
-    s = len(order)
-    indptr = np.zeros(s + 1, np.int64)
-    indptr[1:] = np.cumsum([len(e) for e in edges])
-    tokens = np.fromiter((t for e in edges for t, _ in e), np.int32, count=int(indptr[-1]))
-    targets = np.fromiter((number[d] for e in edges for _, d in e), np.int32,
-                          count=int(indptr[-1]))
-    accepting = np.array([st in finals for st in order], bool)
-    dead = ~accepting & (np.diff(indptr) == 0)
-    if dead.any():
-        fail(f"the pattern has {int(dead.sum())} state(s) that no token of this vocabulary can "
-             "leave and that do not accept")
-    if indptr[-1] >= 2**31:
-        fail("the automaton is too large (over 2**31 transitions)")
+    max_states = budget.max_states if budget is not None else limits.MAX_STATES
+    limits.check_pattern(regex, max_states)
+    if budget is not None:
+        tables = compile_in_worker(regex, vocab, budget, cancelled)
+    else:
+        from outlines_core import Index
+
+        try:
+            index = Index(regex, vocab.outlines())
+        except Exception as exc:  # outlines-core raises ValueError for both failures
+            msg = str(exc)
+            if "incompatible" in msg:
+                fail(f"the pattern cannot be matched with this tokenizer's vocabulary ({msg})")
+            fail(f"outlines-core cannot compile the pattern {regex[:200]!r}: {msg}")
+        try:
+            tables = index_tables(index, vocab.outlines_eos, max_states)
+        except ValueError as exc:
+            fail(str(exc))
     return CompiledIndex(key=(regex, vocab.hash), regex=regex, vocab_size=vocab.size,
-                         accepting=accepting, indptr=indptr.astype(np.int32), tokens=tokens,
-                         targets=targets, outlines_states=np.array(order, np.int64),
-                         compile_seconds=time.perf_counter() - t0)
+                         compile_seconds=time.perf_counter() - t0, **tables)
 
 
 class IndexCache:
@@ -136,7 +137,8 @@ class IndexCache:
         self.hits = self.misses = 0
         self.compile_seconds = 0.0
 
-    def get(self, regex: str, vocab: TokenVocab) -> CompiledIndex:
+    def get(self, regex: str, vocab: TokenVocab, budget: Optional[CompileBudget] = None,
+            cancelled: Optional[Callable[[], bool]] = None) -> CompiledIndex:
         key = (regex, vocab.hash)
         with self._lock:
             hit = self._entries.get(key)
@@ -145,7 +147,7 @@ class IndexCache:
                 self.hits += 1
                 return hit
             self.misses += 1
-        compiled = _build(regex, vocab)  # outside the lock: compiles may run concurrently
+        compiled = _build(regex, vocab, budget, cancelled)  # outside the lock: compiles may run concurrently
         with self._lock:
             self.compile_seconds += compiled.compile_seconds
             self._entries[key] = compiled
@@ -175,17 +177,21 @@ class IndexCache:
 CACHE = IndexCache()
 
 
-def compile_regex(regex: str, vocab: TokenVocab, cache: Optional[IndexCache] = None) -> CompiledIndex:
-    return (cache or CACHE).get(regex, vocab)
+def compile_regex(regex: str, vocab: TokenVocab, cache: Optional[IndexCache] = None,
+                  budget: Optional[CompileBudget] = None,
+                  cancelled: Optional[Callable[[], bool]] = None) -> CompiledIndex:
+    return (cache or CACHE).get(regex, vocab, budget, cancelled)
 
 
 def compile_format(response_format: dict, vocab: TokenVocab,
-                   cache: Optional[IndexCache] = None) -> Optional[CompiledIndex]:
-    """Validate + translate + compile (cached). None for an unconstrained format."""
+                   cache: Optional[IndexCache] = None, budget: Optional[CompileBudget] = None,
+                   cancelled: Optional[Callable[[], bool]] = None) -> Optional[CompiledIndex]:
+    """Validate + translate + compile (cached). None for an unconstrained format. With a
+    `budget`, compiled in a worker process within it (worker.py; `cancelled()` true abandons)."""
     rf = validate_response_format(response_format)
     if rf is None:
         return None
-    return compile_regex(regex_for(rf), vocab, cache)
+    return compile_regex(regex_for(rf), vocab, cache, budget, cancelled)
 
 
 def cache_info() -> dict:

@@ -13,7 +13,8 @@ Every shape but "text" also accepts `"whitespace_pattern": str` (JSON kinds only
 used between JSON tokens; default outlines-core's `[ ]?`).
 
 `validate_response_format` runs at `SamplingParams` construction and checks the shape only (cheap,
-no tokenizer). `regex_for` turns a valid format into the regex that outlines-core compiles; it
+no tokenizer), including its size: at most `MAX_DEPTH` dict/list levels and `MAX_NODES` values
+(a schema sent as a JSON string is parsed and held to the same limits). `regex_for` turns a valid format into the regex that outlines-core compiles; it
 runs at submission (`generate`/the engine), where a schema outlines-core cannot translate raises
 `ValueError("response_format: ...")`. The regex dialect is Rust's `regex` crate (outlines-core);
 a `regex` pattern must fullmatch the output (it is anchored at both ends).
@@ -29,6 +30,8 @@ import json
 from typing import Any, Optional
 
 FIELD = "response_format"
+MAX_DEPTH = 64      # dict/list levels of a response_format (a JSON schema ~30 levels deep)
+MAX_NODES = 20_000  # values in a response_format (keys not counted)
 KINDS = ("text", "json_schema", "json_object", "regex", "choice")
 _JSON_SCHEMA_KEYS = ("schema", "name", "strict", "description")
 _ALLOWED_KEYS = {
@@ -54,6 +57,7 @@ def validate_response_format(rf: Any) -> Optional[dict]:
         return None
     if not isinstance(rf, dict):
         fail(f"must be a dict or None, got {type(rf).__name__}")
+    check_nesting(rf, "the response_format")
     kind = rf.get("type")
     if kind not in KINDS:
         fail(f"'type' must be one of {KINDS}, got {kind!r}")
@@ -76,8 +80,11 @@ def validate_response_format(rf: Any) -> Optional[dict]:
         if isinstance(schema, str):
             try:
                 schema = json.loads(schema)
+            except RecursionError:
+                fail(f"'json_schema.schema' nests deeper than {MAX_DEPTH} levels")
             except ValueError as exc:
                 fail(f"'json_schema.schema' is a string that is not JSON: {exc}")
+            check_nesting(schema, "'json_schema.schema'")
         if not isinstance(schema, dict):
             fail(f"'json_schema.schema' must be a JSON-schema object, got {type(schema).__name__}")
         if "name" in js and not isinstance(js["name"], str):
@@ -96,6 +103,22 @@ def validate_response_format(rf: Any) -> Optional[dict]:
             if not isinstance(c, str) or not c:
                 fail(f"'choices' entries must be non-empty strings, got {c!r}")
     return rf
+
+
+def check_nesting(value: Any, what: str) -> None:
+    """ValueError naming the field when `value` nests deeper than MAX_DEPTH dict/list levels or
+    holds more than MAX_NODES values; iterative, so no input raises RecursionError."""
+    todo, nodes = [(value, 1)], 0
+    while todo:
+        item, depth = todo.pop()
+        nodes += 1
+        if nodes > MAX_NODES:
+            fail(f"{what} holds more than {MAX_NODES} values")
+        children = (item.values() if isinstance(item, dict)
+                    else item if isinstance(item, (list, tuple)) else ())
+        if children and depth >= MAX_DEPTH:
+            fail(f"{what} nests deeper than {MAX_DEPTH} levels")
+        todo.extend((child, depth + 1) for child in children)
 
 
 def escape(text: str) -> str:

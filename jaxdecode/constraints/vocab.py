@@ -30,7 +30,7 @@ class TokenVocab:
     """token_bytes[i]: the bytes of token i, or None when i may never appear in a grammar.
 
     `hash` identifies the table (the compiled-index cache key); `outlines()` is the matching
-    `outlines_core.Vocabulary` (built lazily, once)."""
+    `outlines_core.Vocabulary` and `mapping()` its input (each built lazily, once)."""
 
     def __init__(self, token_bytes: Sequence[Optional[bytes]]):
         self.token_bytes = tuple(None if b is None else bytes(b) for b in token_bytes)
@@ -40,19 +40,28 @@ class TokenVocab:
             h.update(b"\xff\xff" if b is None else len(b).to_bytes(2, "little") + b)
         self.hash = h.hexdigest()[:32]
         self._outlines = None
+        self._mapping: Optional[dict] = None
         self._lock = threading.Lock()
 
-    def outlines(self):
+    def mapping(self) -> dict:
+        """{token bytes: [ids]} of the tokens a grammar may use (what outlines-core takes)."""
         with self._lock:
-            if self._outlines is None:
-                from outlines_core import Vocabulary
-
+            if self._mapping is None:
                 mapping: dict = {}
                 for i, b in enumerate(self.token_bytes):
                     if b:  # empty tokens can never advance a grammar
                         mapping.setdefault(b, []).append(i)
                 if not mapping:
                     fail("the tokenizer has no token usable by a grammar")
+                self._mapping = mapping
+            return self._mapping
+
+    def outlines(self):
+        mapping = self.mapping()
+        with self._lock:
+            if self._outlines is None:
+                from outlines_core import Vocabulary
+
                 # outlines-core wants an EOS id; we give one outside the table and drop its edges.
                 self._outlines = Vocabulary(self.size, mapping)
             return self._outlines

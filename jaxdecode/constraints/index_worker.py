@@ -1,0 +1,110 @@
+"""The constraint compiler's child process (`worker.py`), and the Index -> tables renumbering.
+
+Run as a script -- `python -I index_worker.py MEMORY_BYTES` -- it imports only numpy and
+outlines-core (never jax or the jaxdecode package), limits its own address space to
+MEMORY_BYTES (RLIMIT_AS), and serves requests read from stdin, one at a time, answering on
+stdout; each message is a 4-byte big-endian length and a pickle (the parent is the only peer):
+
+    ("vocab", key, size, {token bytes: [ids]})   -> ("ok",)
+    ("compile", regex, key, eos, max_states)     -> ("ok", index_tables(...)) | ("error", text)
+
+It exits when stdin closes (the parent went away). A compile that needs more memory than the
+limit dies (Rust aborts on a failed allocation) or answers a MemoryError; the parent reports
+either as over budget, and kills it when its deadline passes.
+
+`index_tables` also serves the in-process path (`compile._build`).
+"""
+
+from __future__ import annotations
+
+import pickle
+import struct
+import sys
+
+import numpy as np
+
+
+def index_tables(index, eos: int, max_states: int) -> dict:
+    """An outlines-core Index as our tables (compile.py's CompiledIndex fields): states renumbered
+    0..S-1 in BFS order from the initial state, the CSR transition list without EOS edges,
+    `accepting`, and `outlines_states` (ours -> outlines-core's). ValueError (text without the
+    field name) for more than `max_states` states or a non-accepting state with no edge."""
+    transitions = index.get_transitions()
+    if len(transitions) > max_states:
+        raise ValueError(f"the automaton has {len(transitions)} states, more than the limit "
+                         f"{max_states}")
+    finals = set(index.get_final_states())
+    initial = index.get_initial_state()
+    order = [initial]
+    number = {initial: 0}
+    edges: list = []
+    for src in order:  # BFS; `order` grows while we walk it
+        out = sorted((tok, dst) for tok, dst in transitions.get(src, {}).items() if tok != eos)
+        for _, dst in out:
+            if dst not in number:
+                number[dst] = len(order)
+                order.append(dst)
+        edges.append(out)
+    s = len(order)
+    indptr = np.zeros(s + 1, np.int64)
+    indptr[1:] = np.cumsum([len(e) for e in edges])
+    if indptr[-1] >= 2**31:
+        raise ValueError("the automaton is too large (over 2**31 transitions)")
+    tokens = np.fromiter((t for e in edges for t, _ in e), np.int32, count=int(indptr[-1]))
+    targets = np.fromiter((number[d] for e in edges for _, d in e), np.int32,
+                          count=int(indptr[-1]))
+    accepting = np.array([st in finals for st in order], bool)
+    dead = ~accepting & (np.diff(indptr) == 0)
+    if dead.any():
+        raise ValueError(f"the pattern has {int(dead.sum())} state(s) that no token of this "
+                         "vocabulary can leave and that do not accept")
+    return {"accepting": accepting, "indptr": indptr.astype(np.int32), "tokens": tokens,
+            "targets": targets, "outlines_states": np.array(order, np.int64)}
+
+
+def read_message(stream):
+    """One message from a binary stream, or None at its end."""
+    header = stream.read(4)
+    if len(header) < 4:
+        return None
+    size = struct.unpack(">I", header)[0]
+    body = stream.read(size)
+    return None if len(body) < size else pickle.loads(body)
+
+
+def write_message(stream, message) -> None:
+    body = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    stream.write(struct.pack(">I", len(body)) + body)
+    stream.flush()
+
+
+def _serve(memory_bytes: int) -> None:
+    import resource
+
+    from outlines_core import Index, Vocabulary
+
+    if memory_bytes > 0:
+        resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
+    vocabs: dict = {}
+    inp, out = sys.stdin.buffer, sys.stdout.buffer
+    while True:
+        msg = read_message(inp)
+        if msg is None:
+            return
+        try:
+            if msg[0] == "vocab":
+                _, key, size, mapping = msg
+                vocabs[key] = Vocabulary(size, mapping)
+                reply = ("ok",)
+            else:
+                _, regex, key, eos, max_states = msg
+                reply = ("ok", index_tables(Index(regex, vocabs[key]), eos, max_states))
+        except MemoryError:
+            reply = ("error", "memory")
+        except Exception as exc:  # outlines-core's ValueError, ours
+            reply = ("error", str(exc))
+        write_message(out, reply)
+
+
+if __name__ == "__main__":
+    _serve(int(sys.argv[1]))
