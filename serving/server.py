@@ -24,6 +24,16 @@ import time
 from typing import Any, Optional
 
 
+# per-request bounds (docs/serving.md "One bad request never hurts another"): jd.LLM options
+LIMIT_FLAGS = (
+    ("--max-num-beams", int, "largest num_beams accepted (default 16)"),
+    ("--max-n", int, "largest n accepted (default 128, at most --max-queue)"),
+    ("--max-constraint-compile-s", float, "time budget of one response_format compile in "
+     "seconds (default 30; 400 above it)"),
+    ("--max-constraint-states", int, "automaton state cap of one response_format "
+     "(default 20000; 400 above it)"))
+
+
 def serve_app(app: Any, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
               access_log: bool = True) -> None:
     """Run `app` with uvicorn in this thread until interrupted (logging left to the caller)."""
@@ -114,12 +124,12 @@ def main(args: Any) -> int:
         params = shard_params(params, mesh)
     hook = dist.CollectiveBroadcaster() if distributed else None
     api_key: Optional[str] = args.api_key or os.environ.get("JAXDECODE_API_KEY") or None
+    names = [flag[2:].replace("-", "_") for flag, _, _ in LIMIT_FLAGS]
+    limits = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
     try:
         llm = LLM(model, params, tokenizer, max_slots=args.max_slots, max_len=max_len,
                   max_queue=args.max_queue, model_source=args.model, mesh=mesh,
-                  speculative=speculative, step_hook=hook, max_num_beams=args.max_num_beams,
-                  max_n=args.max_n, max_constraint_compile_s=args.max_constraint_compile_s,
-                  max_constraint_states=args.max_constraint_states)
+                  speculative=speculative, step_hook=hook, **limits)
     except ValueError as e:  # on every process: a follower never waits for a failed leader
         raise flag_error(e)
     if distributed and jax.process_index() != 0:  # built only to check the flags
@@ -166,12 +176,8 @@ def add_arguments(p: Any) -> None:
                    help="tokens per sequence, prompt + output (default: the model's, <= 4096)")
     p.add_argument("--max-queue", type=int, default=1024,
                    help="admission queue bound; a full queue answers 429")
-    p.add_argument("--max-num-beams", type=int, default=16, help="largest num_beams accepted")
-    p.add_argument("--max-n", type=int, default=128, help="largest n accepted (<= --max-queue)")
-    p.add_argument("--max-constraint-compile-s", type=float, default=30.0,
-                   help="time budget of one response_format compile (400 above it)")
-    p.add_argument("--max-constraint-states", type=int, default=20000,
-                   help="automaton state cap of one response_format (400 above it)")
+    for flag, kind, text in LIMIT_FLAGS:  # unset: the engine's defaults (jd.LLM options)
+        p.add_argument(flag, type=kind, default=None, help=text)
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' (also $JAXDECODE_API_KEY); "
                         "/health stays open")

@@ -1,5 +1,7 @@
 """Tokenizers built in-process for the host-pipeline tests (no model hub, no network).
 
+- `byte_tokenizer()`: ids 0..255 are the bytes themselves, 256 = <|endoftext|> (special): the
+  text of a scripted model's ids is computable by hand.
 - `byte_level_tokenizer()`: GPT-2 style byte-level BPE (ByteLevel pre-tokenizer + decoder),
   trained on a few multilingual lines; all 256 single-byte tokens exist, so random id
   sequences produce arbitrary (valid and invalid) UTF-8.
@@ -29,6 +31,19 @@ CORPUS = [
     "Привет мир! Καλημέρα κόσμε",
     "stop words: STOP, END, User:",
 ]
+
+
+def byte_tokenizer() -> Tokenizer:
+    """ids 0..255 = the bytes, 256 = <|endoftext|> (special)."""
+    from jaxdecode.host.detokenizer import bytes_to_unicode
+
+    b2u = bytes_to_unicode()
+    tok = Tokenizer(models.BPE(vocab={b2u[b]: b for b in range(256)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken("<|endoftext|>", special=True)])
+    assert tok.token_to_id("<|endoftext|>") == 256
+    return tok
 
 
 @functools.lru_cache(maxsize=None)

@@ -84,3 +84,10 @@ def test_cli_speculative_draft_directory_and_vocabulary_check(tiny_hf_checkpoint
         out = cli("generate", "--prompt", "x", *args)
         assert out.returncode != 0 and out.stderr.startswith("--speculative:"), out.stderr
         assert "tokenizer" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_cli_serve_limit_flags_are_checked_and_named():
+    for flag, value in (("--max-num-beams", "0"), ("--max-constraint-compile-s", "0")):
+        out = cli("serve", flag, value)
+        assert out.returncode != 0 and out.stderr.startswith(flag + ":"), out.stderr
+        assert "Traceback" not in out.stderr

@@ -10,6 +10,8 @@ keep the module fast.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import json
 import re
 import time
 
@@ -35,7 +37,7 @@ def _metric(url: str, name: str, **labels) -> float:
 @pytest.fixture(scope="module")
 def url(tmp_path_factory):
     log = tmp_path_factory.mktemp("serve") / "server.log"
-    with serve(log, "--max-slots", "8", "--max-len", "256") as (_, base):
+    with serve(log, "--max-slots", "8", "--max-len", "256", "--max-num-beams", "8") as (_, base):
         yield base
 
 
@@ -231,6 +233,44 @@ def test_bad_inputs_get_400_naming_param_and_the_server_keeps_serving(client):
         assert body["type"] == "invalid_request_error" and body["param"] == param, body
     ok = client.completions.create(model="demo", prompt=PROMPT, max_tokens=3, temperature=0)
     assert ok.usage.completion_tokens == 3
+
+
+def test_issue_12_reproductions_get_400s_at_once_and_hurt_no_bystander(url):
+    """The five measured requests of issue #12 against `jaxdecode serve --model demo`: each a
+    400 naming its field within a second, /health 200 throughout, and streams running beside
+    them get exactly the text they get alone."""
+    from tests.hostile import REPRODUCTIONS
+
+    bodies = [{"model": "demo", "prompt": f"{PROMPT} # {i}", "max_tokens": 200,
+               "temperature": 0.8, "seed": i} for i in range(4)]
+    alone = [httpx.post(url + "/v1/completions", json=b, timeout=120).json()["choices"][0]
+             for b in bodies]
+
+    def stream(body):
+        text = ""
+        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True},
+                          timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    chunk = json.loads(line[6:])
+                    assert "error" not in chunk, chunk
+                    text += chunk["choices"][0]["text"] if chunk["choices"] else ""
+        return text
+
+    with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
+        beside = [pool.submit(stream, b) for b in bodies]
+        for extra, param in REPRODUCTIONS:
+            t0 = time.perf_counter()
+            r = httpx.post(url + "/v1/completions",
+                           json={"model": "demo", "prompt": "def add(a, b):", **extra},
+                           timeout=30)
+            assert time.perf_counter() - t0 < 1.0, extra
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+            assert httpx.get(url + "/health", timeout=5).status_code == 200
+        assert [f.result(120) for f in beside] == [c["text"] for c in alone]
+    r = httpx.post(url + "/v1/completions", json={"model": "demo", "prompt": "x",
+                                                  "num_beams": 9}, timeout=30)  # the flag
+    assert r.status_code == 400 and "at most 8" in r.json()["error"]["message"]
 
 
 def test_raw_sse_ids_increase_done_is_last_and_resume_with_last_event_id(url):

@@ -19,13 +19,13 @@ from contextlib import ExitStack
 import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 import jaxdecode as jd
 from serving.app import create_app
 from serving.chat import chat_prompt_ids, simple_template
 from serving.logs import JsonFormatter
 from serving.server import ServerThread
+from tests.host_fixtures import byte_tokenizer
 from tests.scripted import HOOKS, HookedModel
 from tests.serve_process import serve
 
@@ -56,19 +56,6 @@ def _hook(positions, lengths):
         time.sleep(CONTROL["delay"])
     if CONTROL["fail"]:
         raise RuntimeError("injected device failure")
-
-
-def byte_tokenizer() -> Tokenizer:
-    """ids 0..255 = the bytes, 256 = <|endoftext|> (special)."""
-    from jaxdecode.host.detokenizer import bytes_to_unicode
-
-    b2u = bytes_to_unicode()
-    tok = Tokenizer(models.BPE(vocab={b2u[b]: b for b in range(256)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken("<|endoftext|>", special=True)])
-    assert tok.token_to_id("<|endoftext|>") == EOS
-    return tok
 
 
 def expected(prompt_len: int, n: int) -> str:

@@ -7,6 +7,7 @@ stdout; each message is a 4-byte big-endian length and a pickle (the parent is t
 
     ("vocab", key, size, {token bytes: [ids]})   -> ("ok",)
     ("compile", regex, key, eos, max_states)     -> ("ok", index_tables(...)) | ("error", text)
+                                                    | ("refused", index_tables' reason)
 
 It exits when stdin closes (the parent went away). A compile that needs more memory than the
 limit dies (Rust aborts on a failed allocation) or answers a MemoryError; the parent reports
@@ -98,7 +99,11 @@ def _serve(memory_bytes: int) -> None:
                 reply = ("ok",)
             else:
                 _, regex, key, eos, max_states = msg
-                reply = ("ok", index_tables(Index(regex, vocabs[key]), eos, max_states))
+                index = Index(regex, vocabs[key])
+                try:
+                    reply = ("ok", index_tables(index, eos, max_states))
+                except ValueError as exc:  # ours: over the state cap, a dead state
+                    reply = ("refused", str(exc))
         except MemoryError:
             reply = ("error", "memory")
         except Exception as exc:  # outlines-core's ValueError, ours

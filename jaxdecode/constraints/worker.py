@@ -138,6 +138,8 @@ class WorkerPool:
         self._release(worker, healthy=not died)
         if died:
             self._refuse("memory", budget)
+        if answer[0] == "refused":
+            fail(answer[1])
         if answer[0] != "ok":
             msg = answer[1]
             if "incompatible" in msg:
