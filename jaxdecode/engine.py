@@ -38,6 +38,15 @@ Streams without a reader: `generate()` uses the `final_only` kind, so nothing ac
 Beam search (`SamplingParams.num_beams > 1`, SPEC §10) runs in the beam lane
 (jaxdecode/beam_lane.py): at the safe point after the queue sweep the engine thread takes the
 queued beam requests and runs them as `jd.beam_search` calls; slot rows get no step meanwhile.
+
+One bad request never hurts another (issue #12): every check happens in `submit` / `generate`
+before anything is queued (`_make_handle`: SamplingParams, the vocabulary, `admission.check`
+on the values the device will run, the constraint compile within `compile_budget`), so the
+engine thread never meets a value it cannot hold. Host work for one request runs `_isolated`
+(an exception fails that request). A failed device step is `_recover`ed: the request behind it
+is found by retrying the step without it and fails alone; the others are rebuilt from their
+prompt and selected tokens (`_prefill_into`) and go on unchanged; `health()` is degraded until
+a step succeeds again.
 """
 
 from __future__ import annotations
@@ -237,7 +246,10 @@ class _Dispatched:
 
 
 class LLM:
-    """The engine of DESIGN.md: `generate`, `stream`, `submit`, `close`; thread-safe."""
+    """The engine of DESIGN.md: `generate`, `stream`, `submit`, `close`; thread-safe.
+
+    Per-request bounds (module docstring): `max_num_beams`, `max_n`; `max_constraint_compile_s`
+    and `max_constraint_states` make the `CompileBudget` of a response_format compile."""
 
     def __init__(self, model: DecoderModel, params: Any, tokenizer: Any, *, max_slots: int = 8,
                  max_len: int = 2048, eos_token_ids: Optional[Sequence[int]] = None,

@@ -3,7 +3,7 @@ fail is found and fails alone; the others go on with exactly the tokens they wou
 (SPEC X1: a row's tokens depend only on its own request). `MarkedModel` (tests/scripted.py)
 raises inside the jitted forward for a marked input token, like a device fault."""
 
-import time
+import json
 
 import pytest
 
@@ -99,3 +99,39 @@ def test_fault_beam_call_is_retried_without_the_bad_row(model, tok):
         assert {c.state for c in out[2:4]} == {jd.RequestState.FAILED}
         assert all(c.error == jd.ErrorCode.MODEL_ERROR for c in out[2:4])
         assert llm.health()["status"] == "ok"
+
+
+def test_fault_over_http_the_culprit_gets_500_the_streams_their_text_health_200(model, tok):
+    import asyncio
+
+    import httpx
+
+    from serving.app import create_app
+
+    def body(prompt, **kw):
+        return {"model": "m", "prompt": prompt, "max_tokens": 40, "temperature": 1.0,
+                "seed": 5, **kw}
+
+    async def run(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://t", timeout=60) as c:
+            alone = [(await c.post("/v1/completions", json=body(p))).json() for p in PROMPTS]
+            streams = [asyncio.create_task(c.post("/v1/completions", json=body(p, stream=True)))
+                       for p in PROMPTS]
+            await asyncio.sleep(0.05)  # the streams are running
+            bad = await c.post("/v1/completions", json={"model": "m", "prompt": [4, CHAIN[0]],
+                                                        "max_tokens": 10, "temperature": 0})
+            got = [await t for t in streams]
+            return alone, bad, got, await c.get("/health")
+
+    with jd.LLM(model, {}, tok, max_slots=4, max_len=64) as llm:
+        alone, bad, got, health = asyncio.run(run(create_app(llm, model_name="m")))
+        assert "marked token" in llm.error
+    assert bad.status_code == 500 and bad.json()["error"]["code"] == "model_error"
+    assert "this request's data" in bad.json()["error"]["message"]
+    for a, g in zip(alone, got):
+        chunks = [json.loads(line[6:]) for line in g.text.splitlines()
+                  if line.startswith("data: {")]
+        assert not any("error" in c for c in chunks)
+        assert "".join(c["choices"][0]["text"] for c in chunks) == a["choices"][0]["text"]
+    assert health.status_code == 200 and health.json()["status"] == "ok"
