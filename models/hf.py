@@ -4,8 +4,9 @@ Reads `config.json` (old and transformers-5 keys: `rope_scaling`/`rope_theta` or
 `rope_parameters`, `torch_dtype` or `dtype`), `generation_config.json` (EOS ids),
 `model.safetensors` or a sharded `model.safetensors.index.json`, and the tokenizer files.
 Tensors are read lazily, one at a time, with `safetensors.safe_open(framework="numpy")` (bf16
-through ml_dtypes): no torch, no flax import. fp8 tensors are refused with a CheckpointError:
-safetensors' numpy reader cannot build fp8 arrays (safetensors issue #682).
+and fp8 through ml_dtypes): no torch, no flax import. safetensors' numpy reader looks fp8 dtypes
+up as `numpy.float8_e4m3fn` / `numpy.float8_e5m2`, which numpy itself lacks (safetensors issue
+#682), so `_register_fp8` names ml_dtypes' types there once (only where numpy has none).
 
 Every problem with the directory raises `CheckpointError` (a `ValueError`) whose message names
 the file and, where there is one, the tensor.
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import jax.numpy as jnp
-import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy for safetensors' reader)
+import ml_dtypes
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
@@ -241,6 +242,16 @@ def _gpt2_config(config: dict, config_file: Path, eos) -> GPT2Config:
 
 # -- safetensors ----------------------------------------------------------------------------------
 
+def _register_fp8() -> None:
+    """Let safetensors' numpy reader build fp8 arrays: it resolves F8_E4M3 / F8_E5M2 as
+    attributes of numpy, which has none; ml_dtypes' types are the ones jax uses."""
+    for name in ("float8_e4m3fn", "float8_e5m2"):
+        if not hasattr(np, name):
+            setattr(np, name, getattr(ml_dtypes, name))
+
+
+_register_fp8()
+
 class _TensorIndex:
     """Name -> file over `model.safetensors` or its sharded index; tensors are read one at a time
     through `safetensors.safe_open` (memory-mapped by the library, nothing read before `get`).
@@ -310,7 +321,7 @@ class _TensorIndex:
         try:
             return handle.get_tensor(name)
         except (AttributeError, TypeError, ValueError, SafetensorError) as e:
-            # a dtype numpy cannot hold: safetensors' numpy reader has no fp8 (safetensors #682)
+            # a dtype numpy cannot hold (none that checkpoints use today)
             raise CheckpointError(f"{file}: tensor {name!r} has dtype {view.get_dtype()}, which "
                                   f"cannot be read with numpy ({type(e).__name__}: {e})") from e
 

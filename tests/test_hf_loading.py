@@ -1,5 +1,5 @@
 """models.load reads safetensors through `safetensors.safe_open`, one tensor at a time: dtypes
-kept (bf16), unused tensors never read, and errors that name the file (and the tensor).
+kept (bf16, fp8), unused tensors never read, and errors that name the file (and the tensor).
 Checkpoints are written here with `safetensors.numpy` (no torch); HF parity of the loaded
 models is tests/test_models_parity.py."""
 
@@ -12,7 +12,6 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from safetensors import safe_open
 from safetensors.numpy import save_file
 
 import models
@@ -65,36 +64,38 @@ def test_bf16_checkpoint_keeps_bf16_and_casts_on_request(tmp_path):
     assert logits.shape == (1, 3, 32) and bool(jnp.isfinite(logits).all())
 
 
-def test_unused_tensors_are_never_read(tmp_path):
-    """Reading is per tensor: an extra tensor no model needs does not stop the load, even in a
-    dtype the reader cannot build (fp8 with safetensors' numpy reader)."""
+def test_unused_tensors_are_never_read(tmp_path, monkeypatch):
+    """Reading is per tensor: an extra tensor no model needs is never read, so a dtype the reader
+    cannot build there does not stop the load."""
     tensors = _tensors(np.float32)
     tensors["model.extra.weight"] = np.ones((4, 4), ml_dtypes.float8_e4m3fn)
     _write(tmp_path / "ck", tensors)
+    monkeypatch.delattr(np, "float8_e4m3fn")  # the extra tensor is now unreadable
     _, params, _ = models.load(tmp_path / "ck")
     np.testing.assert_array_equal(np.asarray(params["final_norm"]), tensors["model.norm.weight"])
 
 
-def test_fp8_tensor_loads_or_is_refused_naming_file_and_tensor(tmp_path):
+@pytest.mark.parametrize("fp8", ["float8_e4m3fn", "float8_e5m2"])
+def test_fp8_tensor_loads(tmp_path, fp8):
+    tensors = _tensors(np.float32)
+    name = "model.layers.0.mlp.up_proj.weight"
+    tensors[name] = tensors[name].astype(getattr(ml_dtypes, fp8))
+    _write(tmp_path / "ck", tensors)
+    _, params, _ = models.load(tmp_path / "ck", dtype=jnp.float32)
+    np.testing.assert_array_equal(np.asarray(params["layers"][0]["up"]),
+                                  tensors[name].astype(np.float32).T)
+
+
+def test_unreadable_dtype_names_file_tensor_and_dtype(tmp_path, monkeypatch):
     tensors = _tensors(np.float32)
     name = "model.layers.0.mlp.up_proj.weight"
     tensors[name] = tensors[name].astype(ml_dtypes.float8_e4m3fn)
     _write(tmp_path / "ck", tensors)
+    monkeypatch.delattr(np, "float8_e4m3fn")  # as safetensors' reader sees numpy on its own
+    with pytest.raises(models.CheckpointError) as e:
+        models.load(tmp_path / "ck")
     file = tmp_path / "ck" / "model.safetensors"
-    try:  # what this safetensors version can do (its numpy reader has no fp8 as of 0.8)
-        safe_open(str(file), framework="numpy").get_tensor(name)
-        readable = True
-    except AttributeError:
-        readable = False
-    if readable:
-        _, params, _ = models.load(tmp_path / "ck", dtype=jnp.float32)
-        np.testing.assert_array_equal(np.asarray(params["layers"][0]["up"]),
-                                      tensors[name].astype(np.float32).T)
-    else:
-        with pytest.raises(models.CheckpointError) as e:
-            models.load(tmp_path / "ck")
-        assert str(file) in str(e.value) and repr(name) in str(e.value)
-        assert "F8_E4M3" in str(e.value)
+    assert str(file) in str(e.value) and repr(name) in str(e.value) and "F8_E4M3" in str(e.value)
 
 
 @pytest.mark.parametrize("damage", ["truncated", "garbage", "empty"])
