@@ -60,6 +60,7 @@ from jaxdecode import constraints, decode
 from jaxdecode.config import SamplingParams
 from jaxdecode.decode import GenerateOutput, bucket
 from jaxdecode.model_api import DecoderModel, KVCache
+from jaxdecode.prompts import token_rows
 from jaxdecode.types import FinishReason
 
 Array = jax.Array
@@ -205,6 +206,7 @@ def beam_search(model: DecoderModel, params: Any, prompt_ids: Sequence[Sequence[
     mask applies to the log-probabilities, each beam carries its own grammar state, and a
     hypothesis whose grammar completes is finished like one that ends on EOS.
     """
+    prompt_ids = token_rows(prompt_ids)
     b = len(prompt_ids) if prompt_ids else 0
     widths = [num_beams] * b if isinstance(num_beams, (int, np.integer)) else list(num_beams)
     if len(widths) != b or any(isinstance(x, bool) or int(x) < 1 for x in widths):

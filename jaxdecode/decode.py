@@ -28,6 +28,7 @@ import numpy as np
 from jaxdecode import constraints, processors, sampling as sampling_lib
 from jaxdecode.config import SamplingParams
 from jaxdecode.model_api import DecoderModel
+from jaxdecode.prompts import token_rows
 from jaxdecode.state import (ALL_MASKED, CONTEXT_LIMIT, EOS, GRAMMAR_COMPLETE, GRAMMAR_DEAD_END,
                              MAX_TOKENS, MODEL_ERROR, RUNNING, STOP_TOKEN, RowParams, StepOutput,
                              StepState, seed_key_data)
@@ -387,6 +388,7 @@ def generate(model: DecoderModel, params: Any, prompt_ids: Sequence[Sequence[int
     `trace=False` drives the same step from a Python loop instead of `lax.while_loop`.
     `tokenizer` is needed when a row has a response_format (jaxdecode/constraints).
     """
+    prompt_ids = token_rows(prompt_ids)
     state, rows_sp, n = prepare(model, params, prompt_ids, sampling, max_new_tokens, key,
                                 tokenizer=tokenizer)
     k = max(s.logprobs for s in rows_sp)

@@ -71,6 +71,7 @@ from jaxdecode import request_state, step_ops
 from jaxdecode.config import MAX_LOGPROBS, SamplingParams
 from jaxdecode.host import Lifecycle, OrderedStream, TextPipeline
 from jaxdecode.model_api import DecoderModel
+from jaxdecode.prompts import token_row, token_rows
 from jaxdecode.state import EOS, RUNNING, STOP_TOKEN, RowParams, seed_key_data
 from jaxdecode.tokenization import encode, eos_token_id
 from jaxdecode.types import (Completion, DecodingError, ErrorCode, FinishReason, RequestState,
@@ -411,9 +412,7 @@ class LLM:
         """Run prompts to completion: a flat list, len(prompts) * n, each prompt's n samples
         adjacent (`Completion.prompt_index`, `Completion.index`); with num_beams > 1 the n
         samples are the prompt's n best beams, by rank."""
-        single = isinstance(prompts, str) or (
-            isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int))
-        prompts = [prompts] if single else list(prompts)
+        prompts = token_rows(prompts, "prompt", text=True)
         if isinstance(params, (list, tuple)):
             if len(params) != len(prompts):
                 raise ValueError(f"params: expected 1 or {len(prompts)} SamplingParams, "
@@ -606,11 +605,8 @@ class LLM:
     def _encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             ids = encode(self.tokenizer, prompt)
-        elif isinstance(prompt, (list, tuple)) and all(
-                isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in prompt):
-            ids = [int(i) for i in prompt]
         else:
-            raise ValueError("prompt: expected a string or a list of token ids")
+            ids = token_row(prompt, "prompt")
         if not ids:
             raise ValueError("prompt: empty prompt (it encodes to no tokens)")
         bad = [i for i in ids if not 0 <= i < self.model.config.vocab_size]

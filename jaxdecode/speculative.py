@@ -94,6 +94,7 @@ from jaxdecode import constraints, decode, processors, sampling
 from jaxdecode.config import SamplingParams
 from jaxdecode.decode import ERRORS, FAILED_CODES, FINISH_REASONS, GenerateOutput, bucket
 from jaxdecode.model_api import DecoderModel
+from jaxdecode.prompts import token_rows
 from jaxdecode.state import (ALL_MASKED, CONTEXT_LIMIT, EOS, GRAMMAR_COMPLETE, GRAMMAR_DEAD_END,
                              MAX_TOKENS, MODEL_ERROR, RUNNING, STOP_TOKEN, RowParams)
 
@@ -530,6 +531,7 @@ def speculative_generate(target: DecoderModel, target_params: Any,
     `num_branches` > 1: that many draft continuations per row verified together, greedy rows
     only (a sampled row raises ValueError; the module docstring's Branches section).
     Returns a SpeculativeOutput (GenerateOutput + `stats`)."""
+    prompt_ids = token_rows(prompt_ids)
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"k: must be an integer >= 1, got {k!r}")
     check_num_branches(num_branches, target.config.vocab_size)

@@ -3,7 +3,10 @@
 Reads `config.json` (old and transformers-5 keys: `rope_scaling`/`rope_theta` or
 `rope_parameters`, `torch_dtype` or `dtype`), `generation_config.json` (EOS ids),
 `model.safetensors` or a sharded `model.safetensors.index.json`, and the tokenizer files.
-Safetensors are parsed here with numpy (+ ml_dtypes for bf16/fp8): no torch, no flax import.
+Tensors are read lazily, one at a time, with `safetensors.safe_open(framework="numpy")` (bf16
+and fp8 through ml_dtypes): no torch, no flax import. safetensors' numpy reader looks fp8 dtypes
+up as `numpy.float8_e4m3fn` / `numpy.float8_e5m2`, which numpy itself lacks (safetensors issue
+#682), so `_register_fp8` names ml_dtypes' types there once (only where numpy has none).
 
 Every problem with the directory raises `CheckpointError` (a `ValueError`) whose message names
 the file and, where there is one, the tensor.
@@ -13,13 +16,13 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 from pathlib import Path
 from typing import Any, Optional
 
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+from safetensors import SafetensorError, safe_open
 
 from models import layers as L
 from models.gpt2 import ACTIVATIONS, GPT2, GPT2Config
@@ -38,13 +41,6 @@ ARCHITECTURES = {
     "GPT2LMHeadModel": "gpt2",
 }
 MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "gpt2": "gpt2"}
-
-_ST_DTYPES = {
-    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-    "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
-    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
-    "BOOL": np.bool_,
-}
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -67,13 +63,13 @@ def load(path: str | os.PathLike, dtype: Any = None):
     gen_config = _read_json(root / "generation_config.json", required=False) or {}
     eos = _eos_ids(gen_config.get("eos_token_id"), config.get("eos_token_id"))
 
-    tensors = _TensorIndex(root)
-    if family == "gpt2":
-        model = GPT2(_gpt2_config(config, config_file, eos))
-        params = _gpt2_params(model.config, tensors, dtype)
-    else:
-        model = Llama(_llama_config(config, config_file, family, eos))
-        params = _llama_params(model.config, tensors, dtype)
+    with _TensorIndex(root) as tensors:
+        if family == "gpt2":
+            model = GPT2(_gpt2_config(config, config_file, eos))
+            params = _gpt2_params(model.config, tensors, dtype)
+        else:
+            model = Llama(_llama_config(config, config_file, family, eos))
+            params = _llama_params(model.config, tensors, dtype)
     return model, params, _load_tokenizer(root)
 
 
@@ -246,14 +242,27 @@ def _gpt2_config(config: dict, config_file: Path, eos) -> GPT2Config:
 
 # -- safetensors ----------------------------------------------------------------------------------
 
+def _register_fp8() -> None:
+    """Let safetensors' numpy reader build fp8 arrays: it resolves F8_E4M3 / F8_E5M2 as
+    attributes of numpy, which has none; ml_dtypes' types are the ones jax uses."""
+    for name in ("float8_e4m3fn", "float8_e5m2"):
+        if not hasattr(np, name):
+            setattr(np, name, getattr(ml_dtypes, name))
+
+
+_register_fp8()
+
 class _TensorIndex:
-    """Name -> (file, header entry) over `model.safetensors` or its sharded index."""
+    """Name -> file over `model.safetensors` or its sharded index; tensors are read one at a time
+    through `safetensors.safe_open` (memory-mapped by the library, nothing read before `get`).
+    Use as a context manager: the files are closed on exit."""
 
     def __init__(self, root: Path):
         self.root = root
         single, index = root / "model.safetensors", root / "model.safetensors.index.json"
         self.where: dict[str, Path] = {}
-        self.headers: dict[Path, dict] = {}
+        self.files: dict[Path, Any] = {}  # open safe_open handles
+        self.names: dict[Path, set] = {}  # the tensors each opened file holds
         if index.exists():
             weight_map = (_read_json(index, required=True) or {}).get("weight_map")
             if not isinstance(weight_map, dict):
@@ -271,13 +280,28 @@ class _TensorIndex:
                     self.where[name] = shard
             self.description = f"{index} (and its shards)"
         elif single.exists():
-            self.headers[single] = _read_header(single)
-            for name in self.headers[single]:
-                if name != "__metadata__":
-                    self.where[name] = single
+            self._open(single)
+            self.where = dict.fromkeys(self.names[single], single)
             self.description = str(single)
         else:
             raise CheckpointError(f"{root}: no model.safetensors or model.safetensors.index.json")
+
+    def _open(self, file: Path):
+        if file not in self.files:
+            try:
+                self.files[file] = safe_open(str(file), framework="numpy")
+            except (OSError, SafetensorError) as e:  # bad header, truncated, unreadable
+                raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from e
+            self.names[file] = set(self.files[file].keys())
+        return self.files[file]
+
+    def __enter__(self) -> "_TensorIndex":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self.files.values():
+            handle.__exit__(None, None, None)
+        self.files.clear()
 
     def __contains__(self, name: str) -> bool:
         return name in self.where
@@ -286,44 +310,20 @@ class _TensorIndex:
         if name not in self.where:
             raise CheckpointError(f"{self.description}: missing tensor {name!r}")
         file = self.where[name]
-        if file not in self.headers:
-            self.headers[file] = _read_header(file)
-        header = self.headers[file]
-        entry = header.get(name)
-        if entry is None:
+        handle = self._open(file)
+        if name not in self.names[file]:
             raise CheckpointError(f"{file}: missing tensor {name!r} (listed in the index)")
-        got = tuple(entry.get("shape", ()))
+        view = handle.get_slice(name)
+        got = tuple(view.get_shape())
         if got != tuple(shape):
             raise CheckpointError(f"{file}: tensor {name!r} has shape {list(got)}, "
                                   f"expected {list(shape)} from config.json")
-        dtype = _ST_DTYPES.get(entry.get("dtype"))
-        if dtype is None:
-            raise CheckpointError(f"{file}: tensor {name!r} has unsupported dtype {entry.get('dtype')!r}")
-        begin, end = entry["data_offsets"]
-        count = int(np.prod(shape, dtype=np.int64))
-        if end - begin != count * np.dtype(dtype).itemsize:
-            raise CheckpointError(f"{file}: tensor {name!r}: byte size does not match its shape")
-        data = np.memmap(file, dtype=np.uint8, mode="r", offset=header["__data_start__"] + begin,
-                         shape=(end - begin,)) if count else np.zeros((0,), np.uint8)
-        return np.asarray(data).view(dtype).reshape(shape)
-
-
-def _read_header(file: Path) -> dict:
-    try:
-        with open(file, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(n))
-        size = file.stat().st_size
-    except (OSError, struct.error, ValueError) as e:
-        raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from e
-    header["__data_start__"] = 8 + n
-    for name, entry in header.items():
-        if name.startswith("__"):
-            continue
-        if 8 + n + entry["data_offsets"][1] > size:
-            raise CheckpointError(f"{file}: tensor {name!r} extends past the end of the file "
-                                  "(truncated file?)")
-    return header
+        try:
+            return handle.get_tensor(name)
+        except (AttributeError, TypeError, ValueError, SafetensorError) as e:
+            # a dtype numpy cannot hold (none that checkpoints use today)
+            raise CheckpointError(f"{file}: tensor {name!r} has dtype {view.get_dtype()}, which "
+                                  f"cannot be read with numpy ({type(e).__name__}: {e})") from e
 
 
 def _to_jax(a: np.ndarray, dtype: Any) -> jnp.ndarray:

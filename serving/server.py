@@ -91,7 +91,7 @@ class ServerThread:
 
 def main(args: Any) -> int:
     """`jaxdecode serve`: load the model, build the engine and the app, serve until Ctrl-C."""
-    from jaxdecode.cli import flag_error, load_model, speculative_from_args
+    from serving.loading import flag_error, load_model, speculative_from_args
     from jaxdecode.engine import LLM
     from serving.app import create_app
     from serving.logs import configure_logging, log_event
@@ -167,7 +167,7 @@ def main(args: Any) -> int:
 
 
 def add_arguments(p: Any) -> None:
-    """The `serve` subcommand's flags (called by jaxdecode.cli)."""
+    """The `serve` subcommand's flags (called by jaxdecode/cli/serve.py)."""
     p.add_argument("--model", default="demo", help="a local HF checkpoint directory, or 'demo'")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)

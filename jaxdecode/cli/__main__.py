@@ -1,0 +1,7 @@
+"""`python -m jaxdecode.cli ...` is the `jaxdecode` command."""
+
+import sys
+
+from jaxdecode.cli import main
+
+sys.exit(main())

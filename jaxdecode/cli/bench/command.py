@@ -1,0 +1,199 @@
+"""`jaxdecode bench`: the flags and the command that runs the sections and prints / writes the
+report; `bench --serve` is the HTTP load test of `serving.loadtest`."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+from jaxdecode.cli.bench import host, report as report_mod, search, structured, throughput
+from jaxdecode.cli.bench.configs import BENCH_CONFIGS, bench_model, host_model
+from jaxdecode.cli.bench.timing import BenchConfig
+
+
+def add_parser(sub) -> None:
+    b = sub.add_parser("bench", help="decode throughput, side by side with HF PyTorch")
+    bench_arguments(b)
+    b.set_defaults(func=cmd_bench)
+
+
+def bench_arguments(b) -> None:
+    b.add_argument("--model", default=None,
+                   help=f"DIR, 'demo', or a named config: {', '.join(BENCH_CONFIGS)} (default: "
+                        "llama-512 on CPU, llama-1b in bf16 on an accelerator)")
+    b.add_argument("--batch", type=int, action="append", help="batch size (repeatable)")
+    b.add_argument("--prompt-len", type=int, default=16)
+    b.add_argument("--new-tokens", type=int, default=64)
+    b.add_argument("--repeats", type=int, default=3)
+    b.add_argument("--compare-hf", action="store_true",
+                   help="time HF PyTorch generate on the same weights in the same run")
+    b.add_argument("--hf-threads", type=int, default=None)
+    b.add_argument("--host-cost", action="store_true",
+                   help="also time the host pipeline per token against HF DecodeStream")
+    b.add_argument("--engine", action="store_true",
+                   help="also time the engine with streaming against the raw jitted loop")
+    b.add_argument("--speculative", action="store_true",
+                   help="also beam search (width 4 vs greedy) and speculative decoding on the "
+                        "demo model and its draft (k = 2, 4, 6 and prompt lookup, T = 0, a "
+                        "code-editing prompt) against plain decoding")
+    b.add_argument("--json", help="write the report as JSON")
+    b.add_argument("--report", metavar="DIR",
+                   help="every section (HF side by side, time to first token, host cost, "
+                        "engine): report.json, report.md and PNG plots in DIR")
+    b.add_argument("--quick", action="store_true", help="a smoke run in well under 2 minutes")
+    b.add_argument("--serve", action="store_true",
+                   help="instead: the HTTP load test (serving/loadtest.py) -- streaming requests "
+                        "against `jaxdecode serve` at several concurrency levels")
+    _add_loadtest_arguments(b.add_argument_group("load test (with --serve)"))
+
+
+def _add_loadtest_arguments(p) -> None:
+    # serving.loadtest imports only the standard library at module level
+    from serving.loadtest import add_arguments
+
+    add_arguments(p)
+
+
+def check_bench_mode(args) -> None:
+    """`bench` and `bench --serve` take different flags: one of the other mode's is an error
+    naming it, never silently ignored."""
+    probe = argparse.ArgumentParser(add_help=False)
+    _add_loadtest_arguments(probe)
+    load_flags = set(vars(probe.parse_args([])))
+    bench = argparse.ArgumentParser(add_help=False)
+    bench_arguments(bench)
+    defaults = vars(bench.parse_args([]))
+    bench_flags = set(defaults) - load_flags - {"model", "json", "serve"}
+    bad = sorted(n for n in (bench_flags if args.serve else load_flags)
+                 if getattr(args, n) != defaults[n])
+    if bad:
+        flags = ", ".join("--" + n.replace("_", "-") for n in bad)
+        raise SystemExit(f"{flags}: not used by the HTTP load test (bench --serve)" if args.serve
+                         else f"{flags}: load-test flags; add --serve")
+
+
+def _settle(args) -> None:
+    """Fill in what depends on the backend and on --report."""
+    import jax
+
+    if args.model is None:  # size the configuration to the backend
+        args.model = "llama-512" if jax.default_backend() == "cpu" else "llama-1b"
+    if args.compare_hf and jax.default_backend() != "cpu":
+        print("--compare-hf: the HF column runs PyTorch on the CPU only", file=sys.stderr)
+        args.compare_hf = False
+    if args.report:  # the full report: every section, HF side by side when torch is there
+        try:
+            import matplotlib  # noqa: F401  (checked before minutes of measuring, not after)
+        except ImportError:
+            raise SystemExit("--report: the plots need matplotlib (pip install matplotlib, or "
+                             "the project's dev extra)") from None
+        args.host_cost = args.engine = True
+        try:
+            import torch  # noqa: F401
+            args.compare_hf = jax.default_backend() == "cpu"
+        except ImportError:
+            print("torch is not installed: the report has no HF column", file=sys.stderr)
+
+
+def _decode_sections(args, cfg: BenchConfig) -> tuple[dict, list]:
+    """Throughput (HF side by side), time to first token, beam search on the bench model."""
+    import tempfile
+
+    progress = lambda row: print(json.dumps(row), file=sys.stderr)  # noqa: E731
+    with tempfile.TemporaryDirectory() as workdir:
+        model, params, hf = bench_model(args.model, args.compare_hf, workdir)
+        report = throughput.run(model, params, cfg, hf_model=hf, hf_threads=args.hf_threads,
+                                progress=progress)
+        if args.report:
+            lengths = (128, 256) if args.quick else (128, 256, 512, 1024, 2048)
+            report["ttft"] = throughput.ttft(model, params, lengths, hf, args.hf_threads,
+                                             repeats=cfg.repeats)
+        if args.report or args.speculative:
+            report["beam"] = search.time_beam_search(model, params, cfg, num_beams=4)
+    return report, [report_mod.format_table(report)]
+
+
+def _demo_sections(args, cfg: BenchConfig, report: dict, text: list) -> None:
+    """Speculative decoding on the demo model and its draft; structured output (full report)."""
+    import models
+    from models.demo import DEMO_DIR
+
+    target, target_params, tokenizer = models.demo()
+    draft = (models.demo("draft")
+             if os.path.exists(os.path.join(DEMO_DIR, "draft.safetensors")) else None)
+    ids = [tokenizer.encode(search.CODE_EDIT_PROMPT).ids]
+    report["speculative"] = search.time_speculative(
+        target, target_params, *(draft[:2] if draft else (None, None)),
+        cfg=dataclasses.replace(cfg, new_tokens=96, repeats=max(cfg.repeats, 5)),
+        prompt_ids=ids)
+    text.append(report_mod.format_search(report["beam"], report["speculative"]))
+    if args.report and not args.quick:
+        report["constraints"] = structured.time_constraints(target, target_params, tokenizer)
+        text.append(report_mod.format_constraints_table(report["constraints"]))
+
+
+def _host_sections(args, cfg: BenchConfig, report: dict, text: list) -> None:
+    """Host pipeline cost per token; the engine with streaming against the raw loop."""
+    import sysconfig
+
+    model, params, tokenizer, spec = host_model(args.model)
+    if args.host_cost:
+        with open(os.path.join(sysconfig.get_paths()["stdlib"], "json", "decoder.py"),
+                  encoding="utf-8") as f:
+            ids = tokenizer.encode(f.read()).ids[:2000] if hasattr(
+                tokenizer, "encode_batch") else tokenizer(f.read())["input_ids"][:2000]
+        report["host_cost"] = host.host_cost(tokenizer, ids)
+        text.append("host cost per token (detokenize + stop match + stream), "
+                    f"{len(ids)} tokens of json/decoder.py:")
+        text += [f"  {r['stops']:>2} stop strings: jaxdecode {r['jaxdecode_us_per_token']:.2f} us"
+                 f" | HF DecodeStream + fixed hold-back {r['hf_decodestream_us_per_token']:.2f} us"
+                 for r in report["host_cost"]]
+    if args.engine:
+        report["engine"] = [host.engine_vs_raw(model, params, tokenizer, b, cfg.new_tokens,
+                                               repeats=max(cfg.repeats, 5))
+                            for b in cfg.batches]
+        if args.report:
+            report["recompiles"] = host.recompiles_after_warmup(
+                model, params, tokenizer, requests=100 if args.quick else 1000)
+            text.append(f"compilations after warm-up across {report['recompiles']['requests']}"
+                        f" mixed engine requests: {report['recompiles']['compiles_after_warmup']}")
+        text += [f"engine with streaming vs raw loop ({spec}, batch {r['batch']}): "
+                 f"{r['engine_tokens_per_s']:.0f} vs {r['raw_tokens_per_s']:.0f} tok/s = "
+                 f"{r['fraction'] * 100:.0f}%" for r in report["engine"]]
+
+
+def cmd_bench(args) -> int:
+    check_bench_mode(args)
+    if args.serve:
+        from serving import loadtest
+
+        return loadtest.main(args)
+    from jaxdecode.decode import compilation_count
+
+    _settle(args)
+    default_batches = (1, 4) if args.quick else ((1, 4, 16, 32) if args.report else (1, 16))
+    cfg = BenchConfig(batches=tuple(args.batch or default_batches), prompt_len=args.prompt_len,
+                      new_tokens=16 if args.quick else args.new_tokens,
+                      repeats=1 if args.quick else args.repeats)
+    c0 = compilation_count()
+    report, text = _decode_sections(args, cfg)
+    if (args.report and not args.quick) or args.speculative:
+        _demo_sections(args, cfg, report, text)
+    report["model_spec"] = args.model
+    if args.host_cost or args.engine:
+        _host_sections(args, cfg, report, text)
+    report["compiles"] = {"total_in_run": compilation_count() - c0,
+                          "after_warmup": [r["jaxdecode"]["compiles_after_warmup"]
+                                           for r in report["rows"]]}
+    print("\n".join(text))
+    if args.report:
+        for path in report_mod.write_report(report, args.report):
+            print(f"wrote {path}")
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2, default=str)
+    return 0

@@ -1,0 +1,87 @@
+"""The models `jaxdecode bench` measures: named random-weight configurations (`--model CONFIG`)
+or a checkpoint, with the same weights in HF PyTorch for `--compare-hf`."""
+
+from __future__ import annotations
+
+from serving.loading import load_model
+
+# Named random-weight configurations for `bench --model CONFIG` (HF LlamaConfig keywords).
+BENCH_CONFIGS = {
+    # The reference configuration of issue #2: Llama-like, ~29M parameters, fp32.
+    "llama-512": dict(vocab_size=8192, hidden_size=512, intermediate_size=1376,
+                      num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8,
+                      max_position_embeddings=4096, rms_norm_eps=1e-5),
+    # For accelerators (the default there): TinyLlama-like, ~1.1B parameters, run in bf16.
+    "llama-1b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
+                     num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4,
+                     max_position_embeddings=2048, rms_norm_eps=1e-5),
+    "llama-tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       max_position_embeddings=256, rms_norm_eps=1e-5),
+}
+
+
+def llama_config(name: str):
+    import models
+
+    c = BENCH_CONFIGS[name]
+    return models.LlamaConfig(
+        vocab_size=c["vocab_size"], num_layers=c["num_hidden_layers"],
+        num_heads=c["num_attention_heads"], num_kv_heads=c["num_key_value_heads"],
+        head_dim=c["hidden_size"] // c["num_attention_heads"],
+        max_len=c["max_position_embeddings"], hidden_size=c["hidden_size"],
+        intermediate_size=c["intermediate_size"], rms_norm_eps=c["rms_norm_eps"])
+
+
+def bench_model(spec: str, compare_hf: bool, workdir: str):
+    """(model, params, hf_model or None) on the same weights."""
+    import models
+
+    if spec in BENCH_CONFIGS:
+        if not compare_hf:
+            import jax
+
+            model = models.Llama(llama_config(spec))
+            dtype = jax.numpy.bfloat16 if spec == "llama-1b" else jax.numpy.float32
+            return model, model.init_params(jax.random.key(0), dtype=dtype), None
+        import torch
+        import transformers
+
+        torch.manual_seed(0)
+        hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**BENCH_CONFIGS[spec]))
+        hf = hf.to(torch.float32).eval()
+        hf.save_pretrained(workdir, safe_serialization=True)
+        model, params, _ = models.load(workdir)
+        return model, params, hf
+    model, params, _ = load_model(spec)
+    hf = None
+    if compare_hf:
+        if spec == "demo":
+            raise SystemExit("--compare-hf: needs a Hugging Face directory or a named config")
+        import torch
+        import transformers
+
+        hf = transformers.AutoModelForCausalLM.from_pretrained(spec, dtype=torch.float32).eval()
+    return model, params, hf
+
+
+def host_model(spec: str):
+    """(model, params, tokenizer, label) for the host-side sections, which need a real
+    tokenizer: the checkpoint's, else the demo model's; a named config is rebuilt with the demo
+    tokenizer's vocabulary (same shapes otherwise)."""
+    import dataclasses
+    import os
+
+    label = spec if os.path.isdir(spec) else "demo"
+    model, params, tokenizer = load_model(label)
+    if spec in BENCH_CONFIGS:
+        import jax
+
+        import models
+
+        model = models.Llama(dataclasses.replace(
+            llama_config(spec), vocab_size=model.config.vocab_size,
+            eos_token_ids=model.config.eos_token_ids))
+        params = model.init_params(jax.random.key(0))
+        label = f"{spec}, vocab {model.config.vocab_size}"
+    return model, params, tokenizer, label

@@ -1,0 +1,128 @@
+"""Structured output (jaxdecode/constraints): decode-step time with every row constrained
+against none, and the index compile time per schema."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from jaxdecode.cli.bench.timing import machine, median_time
+from jaxdecode.config import SamplingParams
+from jaxdecode.decode import compilation_count
+
+
+CONSTRAINT_SCHEMAS = {
+    # the three schemas of tests/test_constraints.py, and the generic json_object
+    "flat": {"type": "json_schema", "json_schema": {"schema": {
+        "type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                         "age": {"type": "integer", "maxDigits": 3},
+                                         "ok": {"type": "boolean"}},
+        "required": ["name", "age", "ok"]}}},
+    "enum": {"type": "json_schema", "json_schema": {"schema": {
+        "enum": ["red", "green", "blue", 42, None]}}},
+    "nested": {"type": "json_schema", "json_schema": {"schema": {
+        "type": "object", "properties": {
+            "id": {"type": "integer", "maxDigits": 4},
+            "tags": {"type": "array", "items": {"type": "integer", "maxDigits": 3}, "maxItems": 4},
+            "meta": {"type": "object", "properties": {"k": {"type": "string", "maxLength": 5}},
+                     "required": ["k"]}},
+        "required": ["id", "tags", "meta"]}}},
+    "json_object": {"type": "json_object"},
+}
+
+
+def time_constraints(model, params, tokenizer, batches: Sequence[int] = (1, 16), steps: int = 32,
+                     repeats: int = 5, prompt: str = "config = ",
+                     step_modes: Sequence[str] = ("flat", "json_object")) -> dict:
+    """Decode-step time with a constraint on every row vs none, and index compile times.
+
+    compile: per schema, a cold outlines-core compile (private cache) -> states, edges, seconds,
+    plus the device table build (bucketed sizes, dense or CSR lookup).
+    steps: per batch size, the median time of one `decode_step_jit` over `steps` chained steps,
+    for "none" and for each of `step_modes` (every row constrained), measured round-robin in the
+    same process so that machine load hits every mode alike. Rows that end early keep paying
+    the full step (the step is computed for every row), so the figures compare like with like.
+    """
+    from jaxdecode import constraints
+    from jaxdecode.decode import decode_step_jit, prepare
+    from jaxdecode.tokenization import encode
+
+    cfg = model.config
+    eos = tuple(cfg.eos_token_ids)
+    vocab = constraints.vocab_for(tokenizer, cfg.vocab_size, exclude_ids=eos)
+    cache = constraints.IndexCache()
+    report: dict = {"machine": machine(), "steps": steps, "repeats": repeats, "compile": {},
+                    "rows": []}
+    for name, rf in CONSTRAINT_SCHEMAS.items():
+        t0 = time.perf_counter()
+        regex = constraints.regex_for(constraints.validate_response_format(rf))
+        t1 = time.perf_counter()
+        compiled = constraints.compile_regex(regex, vocab, cache)
+        t2 = time.perf_counter()
+        bundle = constraints.tables._build([compiled], cfg.vocab_size,
+                                           constraints.tables.DENSE_MAX_ENTRIES)
+        jax.block_until_ready(bundle.tables)
+        t3 = time.perf_counter()
+        report["compile"][name] = {
+            "schema_to_regex_ms": (t1 - t0) * 1e3, "index_compile_s": compiled.compile_seconds,
+            "compile_total_s": t2 - t1, "table_build_ms": (t3 - t2) * 1e3,
+            "states": compiled.num_states, "edges": compiled.num_edges,
+            "table_states": int(bundle.tables.num_states),
+            "lookup": "dense" if bundle.tables.dense else "csr",
+            "device_bytes": int(sum(x.nbytes for x in jax.tree.leaves(bundle.tables)))}
+
+    ids = encode(tokenizer, prompt)
+    modes = ("none",) + tuple(step_modes) + ("idle",)
+    for batch in batches:
+        states = {}
+        for mode in modes:
+            rf = (None if mode == "none" else
+                  CONSTRAINT_SCHEMAS[step_modes[0] if mode == "idle" else mode])
+            sp = [SamplingParams(seed=r, max_tokens=steps, response_format=rf)
+                  for r in range(batch)]
+            states[mode] = prepare(model, params, [ids] * batch, sp, steps, None,
+                                   tokenizer=tokenizer)[0]
+        # "idle": the tables are on the device but no row is constrained (e.g. an engine whose
+        # constrained slots are free): the lax.cond skips the grammar work
+        states["idle"] = states["idle"].replace(
+            grammar_state=jnp.full((batch,), -1, jnp.int32))
+
+        def chain(state) -> float:  # seconds per step (the state copy is not timed)
+            state = jax.block_until_ready(jax.tree.map(jnp.copy, state))
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                state, out = decode_step_jit(model, params, state, 0)
+            jax.block_until_ready(out.token)
+            return (time.perf_counter() - t0) / steps
+
+        c0 = compilation_count()
+        for mode in modes:  # warm-up (compiles)
+            chain(states[mode])
+        c1 = compilation_count()
+        times: dict = {m: [] for m in modes}
+        for _ in range(repeats):
+            for mode in modes:
+                times[mode].append(chain(states[mode]))
+        row = {"batch": batch, "compiles_warmup": c1 - c0,
+               "compiles_after_warmup": compilation_count() - c1}
+        for mode in modes:
+            row[f"{mode}_step_ms"] = statistics.median(times[mode]) * 1e3
+            row[f"{mode}_step_ms_min"] = min(times[mode]) * 1e3  # least disturbed by load
+        for mode in modes[1:]:
+            row[f"{mode}_overhead"] = row[f"{mode}_step_ms"] / row["none_step_ms"] - 1
+            # the grammar work alone (mask + next state), jitted, on this batch's tables/states
+            st = states[mode]
+            logits = jax.random.normal(jax.random.key(0), (batch, cfg.vocab_size), jnp.float32)
+            tok = jnp.zeros((batch,), jnp.int32)
+            ops = jax.jit(lambda x, g, s, e, t: (constraints.mask_logits(x, g, s, e),
+                                                 constraints.next_state(g, s, t)))
+            args = (logits, st.grammar, st.grammar_state, st.rows.eos_mask, tok)
+            jax.block_until_ready(ops(*args))
+            row[f"{mode}_grammar_ops_ms"] = median_time(
+                lambda: jax.block_until_ready(ops(*args)), 50) * 1e3
+        report["rows"].append(row)
+    return report

@@ -1,0 +1,97 @@
+"""Model loading from command-line flags, shared by the `jaxdecode` command (jaxdecode/cli/)
+and `jaxdecode serve` (serving/server.py): `--model`, the `--speculative` flags, and engine
+errors reported with the flag that set the field.
+
+It lives in `serving`, the lower of the two applications: `jaxdecode.cli -> serving -> models,
+jaxdecode` is the dependency order (docs/architecture.md), so both import it without a cycle,
+`serving` never imports `jaxdecode.cli`, and nothing in `jaxdecode` outside the CLI imports
+`models`. `models` is imported inside the functions (this module is cheap to import).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+
+def load_model(spec: str, dtype: Optional[str] = None):
+    """(model, params, tokenizer) from "demo" or a local Hugging Face directory."""
+    import models
+
+    if spec == "demo":
+        return models.demo()
+    if not os.path.isdir(spec):
+        raise SystemExit(f"--model: {spec!r} is neither 'demo' nor a checkpoint directory")
+    return models.load(spec, dtype=dtype)
+
+
+# the engine's `speculative=` fields (SpeculativeConfig.parse errors) -> the flags setting them
+SPECULATIVE_FLAGS = {"speculative": "--speculative", "speculative.draft": "--speculative",
+                     "speculative.k": "--num-speculative-tokens",
+                     "speculative.ngram_max": "--ngram-max", "speculative.ngram_min": "--ngram-min"}
+
+
+def flag_error(e: ValueError) -> SystemExit:
+    """An engine or SamplingParams ValueError ("field: ...") as an exit naming the flag."""
+    field = str(e).split(":")[0]
+    return SystemExit(f"{SPECULATIVE_FLAGS.get(field, '--' + field.replace('_', '-'))}: {e}")
+
+
+def _vocab(tokenizer) -> Optional[dict]:
+    return None if tokenizer is None else tokenizer.get_vocab()
+
+
+def speculative_from_args(args, model, tokenizer) -> tuple[Optional[dict], Optional[dict]]:
+    """(the engine's `speculative=` option, the setting to report) from --speculative,
+    --num-speculative-tokens, --ngram-max, --ngram-min; (None, None) without --speculative.
+    The engine validates the numbers (errors mapped to the flags by `flag_error`)."""
+    spec = args.speculative
+    if spec is None:
+        for flag in ("num_speculative_tokens", "ngram_max", "ngram_min"):
+            if getattr(args, flag) is not None:
+                raise SystemExit(f"--{flag.replace('_', '-')}: needs --speculative")
+        return None, None
+    setting = {"draft": spec, "k": 4 if args.num_speculative_tokens is None
+               else args.num_speculative_tokens}
+    if spec == "prompt_lookup":
+        setting.update(ngram_max=3 if args.ngram_max is None else args.ngram_max,
+                       ngram_min=1 if args.ngram_min is None else args.ngram_min)
+        return dict(setting), setting
+    for flag in ("ngram_max", "ngram_min"):
+        if getattr(args, flag) is not None:
+            raise SystemExit(f"--{flag.replace('_', '-')}: only with --speculative prompt_lookup")
+    import models
+
+    if spec == "demo-draft":
+        draft, draft_params, draft_tokenizer = models.demo("draft")
+    elif os.path.isdir(spec):
+        try:
+            draft, draft_params, draft_tokenizer = models.load(spec)
+        except models.CheckpointError as e:
+            raise SystemExit(f"--speculative: {e}")
+    else:
+        raise SystemExit(f"--speculative: {spec!r} is neither 'prompt_lookup', 'demo-draft' nor "
+                         "a checkpoint directory")
+    if draft.config.vocab_size != model.config.vocab_size:
+        raise SystemExit(f"--speculative: the draft {spec!r} has {draft.config.vocab_size} "
+                         f"token ids, the target {model.config.vocab_size}; a draft must share "
+                         "the target's tokenizer")
+    vocab, draft_vocab = _vocab(tokenizer), _vocab(draft_tokenizer)
+    if None not in (vocab, draft_vocab) and vocab != draft_vocab:
+        raise SystemExit(f"--speculative: the draft {spec!r} has another tokenizer than the "
+                         "target; a draft must share the target's vocabulary")
+    return dict(setting, draft=(draft, draft_params)), setting
+
+
+def add_speculative_arguments(p: Any) -> None:
+    """`generate` and `serve`: speculative decoding (SPEC §10, docs/decoding.md)."""
+    p.add_argument("--speculative", default=None, metavar="prompt_lookup|demo-draft|DIR",
+                   help="speculative decoding with this drafter: 'prompt_lookup' (n-grams of "
+                        "the prompt and output), 'demo-draft' (the demo model's draft) or a "
+                        "local HF checkpoint directory sharing the model's tokenizer")
+    p.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
+                   help="tokens proposed per round (default 4; with --speculative)")
+    p.add_argument("--ngram-max", type=int, default=None,
+                   help="longest n-gram matched (default 3; with --speculative prompt_lookup)")
+    p.add_argument("--ngram-min", type=int, default=None,
+                   help="shortest n-gram matched (default 1; with --speculative prompt_lookup)")
