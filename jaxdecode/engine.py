@@ -493,12 +493,12 @@ class LLM:
         request.json): cache up to its length, logits, last token, step, penalty counts,
         per-row settings and key, grammar state, and the host counters. The request stays
         paused here (`resume()` or `cancel()` it); `restore_request` continues it anywhere."""
+        if self._research is not None:  # processor states are not part of a saved request
+            raise ValueError("processors: save_request is not supported with processors=")
         if handle.done or handle.slot is None:
             raise ValueError("request: only a running request (in a slot) can be saved")
         if self._spec is not None:
             raise ValueError("speculative: save_request is not supported with speculative=")
-        if self._research is not None:
-            raise ValueError("processors: save_request is not supported with processors=")
         handle.pause()
         if not handle._settled.wait(timeout):
             raise TimeoutError("request: a step of it is still in flight")
