@@ -9,6 +9,7 @@ here, never in timed unit tests.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import platform
 import statistics
@@ -456,29 +457,10 @@ def time_constraints(model, params, tokenizer, batches: Sequence[int] = (1, 16),
         states["idle"] = states["idle"].replace(
             grammar_state=jnp.full((batch,), -1, jnp.int32))
 
-        def chain(state) -> float:  # seconds per step (the state copy is not timed)
-            state = jax.block_until_ready(jax.tree.map(jnp.copy, state))
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                state, out = decode_step_jit(model, params, state, 0)
-            jax.block_until_ready(out.token)
-            return (time.perf_counter() - t0) / steps
-
-        c0 = compilation_count()
-        for mode in modes:  # warm-up (compiles)
-            chain(states[mode])
-        c1 = compilation_count()
-        times: dict = {m: [] for m in modes}
-        for _ in range(repeats):
-            for mode in modes:
-                times[mode].append(chain(states[mode]))
-        row = {"batch": batch, "compiles_warmup": c1 - c0,
-               "compiles_after_warmup": compilation_count() - c1}
-        for mode in modes:
-            row[f"{mode}_step_ms"] = statistics.median(times[mode]) * 1e3
-            row[f"{mode}_step_ms_min"] = min(times[mode]) * 1e3  # least disturbed by load
+        step = functools.partial(decode_step_jit, model, params, top_logprobs=0)
+        row = {"batch": batch, **_step_times({m: (step, states[m]) for m in modes}, steps,
+                                             repeats)}
         for mode in modes[1:]:
-            row[f"{mode}_overhead"] = row[f"{mode}_step_ms"] / row["none_step_ms"] - 1
             # the grammar work alone (mask + next state), jitted, on this batch's tables/states
             st = states[mode]
             logits = jax.random.normal(jax.random.key(0), (batch, cfg.vocab_size), jnp.float32)
@@ -491,6 +473,85 @@ def time_constraints(model, params, tokenizer, batches: Sequence[int] = (1, 16),
                 lambda: jax.block_until_ready(ops(*args)), 50) * 1e3
         report["rows"].append(row)
     return report
+
+
+def _step_times(runs: dict, steps: int, repeats: int) -> dict:
+    """Decode-step time per mode: `runs[mode] = (step, state)`, `step(state) -> (state, out)`
+    jitted; `steps` chained steps timed (the state copy is not), modes measured round-robin
+    in the same process so that machine load hits every mode alike, after one warm-up round.
+    Keys: <mode>_step_ms (median), <mode>_step_ms_min (least disturbed by load),
+    <mode>_overhead vs the first mode, compiles_warmup, compiles_after_warmup."""
+    def chain(step, state) -> float:  # seconds per step
+        state = jax.block_until_ready(jax.tree.map(jnp.copy, state))
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            state, out = step(state)
+        jax.block_until_ready(out.token)
+        return (time.perf_counter() - t0) / steps
+
+    c0 = compilation_count()
+    for step, state in runs.values():  # warm-up (compiles)
+        chain(step, state)
+    c1 = compilation_count()
+    times: dict = {m: [] for m in runs}
+    for _ in range(repeats):
+        for mode, (step, state) in runs.items():
+            times[mode].append(chain(step, state))
+    row = {"compiles_warmup": c1 - c0, "compiles_after_warmup": compilation_count() - c1}
+    for mode in runs:
+        row[f"{mode}_step_ms"] = statistics.median(times[mode]) * 1e3
+        row[f"{mode}_step_ms_min"] = min(times[mode]) * 1e3
+    base = next(iter(runs))
+    for mode in list(runs)[1:]:
+        row[f"{mode}_overhead"] = row[f"{mode}_step_ms"] / row[f"{base}_step_ms"] - 1
+    return row
+
+
+def _trivial_processor(logits, ctx):
+    """The benchmark's custom processor: one elementwise op on the logits."""
+    return logits * 1.0001
+
+
+def time_research(model, params, batches: Sequence[int] = (1, 16), steps: int = 32,
+                  repeats: int = 5, capture_layer: int = 1) -> dict:
+    """Decode-step time with the research API (issue #16) vs none: one trivial custom
+    processor ("processor"), the capture of one layer's hidden state ("capture"), both, with
+    the same chained `decode_step_jit` timing as `time_constraints` (rows sampled, T = 1)."""
+    from jaxdecode import research
+    from jaxdecode.decode import decode_step_jit, prepare
+
+    options = {"none": {},
+               "processor": dict(processors=[research.LogitProcessor(_trivial_processor)]),
+               "capture": dict(return_hidden_states=(capture_layer,)),
+               "both": dict(processors=[research.LogitProcessor(_trivial_processor)],
+                            return_hidden_states=(capture_layer,))}
+    report: dict = {"machine": machine(), "steps": steps, "repeats": repeats,
+                    "capture_layer": capture_layer, "rows": []}
+    ids = prompts(max(batches), 16, model.config.vocab_size, 0)
+    for batch in batches:
+        runs = {}
+        sp = [SamplingParams(seed=r, max_tokens=steps + 1, ignore_eos=True)
+              for r in range(batch)]
+        for mode, kwargs in options.items():
+            setup = research.configure(model, **kwargs)
+            state = prepare(model, params, ids[:batch], sp, steps + 1, None, research=setup)[0]
+            config, args = (None, None) if setup is None else (setup.config, setup.args)
+            runs[mode] = (functools.partial(decode_step_jit, model, params, top_logprobs=0,
+                                            research=config, research_args=args), state)
+        report["rows"].append({"batch": batch, **_step_times(runs, steps, repeats)})
+    return report
+
+
+def format_research_table(report: dict) -> str:
+    modes = [k[:-len("_step_ms")] for k in report["rows"][0] if k.endswith("_step_ms")]
+    lines = [f"decode step ms with the research API (median of {report['repeats']} x "
+             f"{report['steps']} chained steps; capture = layer {report['capture_layer']}):",
+             "| batch | " + " | ".join(modes) + " |", "|---:|" + "---:|" * len(modes)]
+    for row in report["rows"]:
+        cells = [f"{row['none_step_ms']:.3f}"] + [
+            f"{row[m + '_step_ms']:.3f} ({row[m + '_overhead'] * 100:+.1f}%)" for m in modes[1:]]
+        lines.append(f"| {row['batch']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def format_constraints_table(report: dict) -> str:

@@ -354,7 +354,12 @@ def cmd_bench(args) -> int:
                                         repeats=cfg.repeats)
         if args.report or args.speculative:
             report["beam"] = bench.time_beam_search(model, params, cfg, num_beams=4)
+        if args.research:
+            report["research"] = bench.time_research(model, params, cfg.batches,
+                                                     repeats=max(cfg.repeats, 5))
     text = [bench.format_table(report)]
+    if args.research:
+        text.append(bench.format_research_table(report["research"]))
     if (args.report and not args.quick) or args.speculative:
         import models
         from models.demo import DEMO_DIR
@@ -483,6 +488,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also beam search (width 4 vs greedy) and speculative decoding on the "
                         "demo model and its draft (k = 2, 4, 6 and prompt lookup, T = 0, a "
                         "code-editing prompt) against plain decoding")
+    b.add_argument("--research", action="store_true",
+                   help="also the decode step with one trivial custom processor and with the "
+                        "capture of one layer's hidden state, against none (issue #16)")
     b.add_argument("--json", help="write the report as JSON")
     b.add_argument("--report", metavar="DIR",
                    help="every section (HF side by side, time to first token, host cost, "
