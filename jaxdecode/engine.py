@@ -277,6 +277,9 @@ class LLM:
         if self._research is not None and speculative is not None:
             raise ValueError("processors: not supported together with speculative= in the "
                              "engine (jd.speculative_generate takes processors)")
+        if self._research is not None and step_hook is not None:
+            raise ValueError("processors: not supported with step_hook (multi-host followers "
+                             "run no user code)")
         # every device call is a step_ops.StepOp, given to step_hook.publish(op) before it is
         # applied: serving/distributed.py broadcasts them to the other hosts' followers
         self.step_hook = step_hook

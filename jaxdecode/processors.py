@@ -11,7 +11,9 @@
 5. renormalisation (log-softmax)
 
 Every processor is vectorised over rows with that row's own parameters (SPEC P3). Selection
-(step 6) lives in `sampling.py`.
+(step 6) lives in `sampling.py`. User-defined processors (jaxdecode/research.py) run at four
+named points of this order: "first" (before 1), "after_penalties" (after 2),
+"after_temperature" (after 3) and "last" (after 4, before 5).
 """
 
 from __future__ import annotations

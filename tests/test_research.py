@@ -128,6 +128,8 @@ def test_custom_ban_in_the_engine_matches_generate():
         assert any(d.startswith("processors:") for d in report.environment_differences)
     with pytest.raises(ValueError, match="processors"):
         jd.LLM(model, params, tok, processors=procs, speculative={"draft": "prompt_lookup"})
+    with pytest.raises(ValueError, match="processors"):
+        jd.LLM(model, params, tok, processors=procs, step_hook=object())
     with pytest.raises(ValueError, match=r"processors\[0\]"):
         jd.LLM(model, params, tok, processors=[chain])
 
@@ -175,6 +177,12 @@ def test_state_of_rejected_draft_positions_is_dropped(tiny):
             if sp.temperature == 0:  # greedy: exactly the plain decoding with the processors
                 ref = jd.generate(model, params, PROMPTS, sp, processors=procs)
                 np.testing.assert_array_equal(out.token_ids, ref.token_ids)
+    # several branches (greedy): the chosen branch's states are kept
+    out = jd.speculative_generate(model, params, LOOKUP, None, PROMPTS,
+                                  greedy(24, ignore_eos=True), k=3, num_branches=2,
+                                  processors=procs)
+    check_chain(out, PROMPTS, state_index=1)
+    np.testing.assert_array_equal(out.token_ids, ref.token_ids)
 
 
 def drop_top_at_odd_steps(logits, ctx):
