@@ -29,7 +29,7 @@ import numpy as np
 from jaxdecode import constraints, hooks, processors, research as research_lib
 from jaxdecode import sampling as sampling_lib
 from jaxdecode.config import SamplingParams
-from jaxdecode.model_api import DecoderModel
+from jaxdecode.model_api import DecoderModel, params_dtype
 from jaxdecode.prompts import token_rows
 from jaxdecode.state import (ALL_MASKED, CONTEXT_LIMIT, EOS, GRAMMAR_COMPLETE, GRAMMAR_DEAD_END,
                              MAX_TOKENS, MODEL_ERROR, RUNNING, STOP_TOKEN, RowParams, StepOutput,
@@ -60,11 +60,6 @@ def bucket(n: int, cap: Optional[int] = None) -> int:
 def cache_len(longest_prompt: int, max_new: int, max_len: int) -> int:
     """The cache length `generate` / `beam_search` allocate for these prompts and new tokens."""
     return min(max_len, bucket(bucket(longest_prompt, max_len) + max_new))
-
-
-def params_dtype(params: Any):
-    floats = [x.dtype for x in jax.tree.leaves(params) if jnp.issubdtype(x.dtype, jnp.floating)]
-    return floats[0] if floats else jnp.float32
 
 
 # -- compilation counting (tests and benchmarks assert zero recompiles after warm-up) ----------

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdecode.model_api import DecoderModel, hook_points
+from jaxdecode.model_api import DecoderModel, hook_points, params_dtype
 
 Array = jax.Array
 
@@ -179,8 +179,6 @@ def capture_activations(model: DecoderModel, params: Any, prompt_ids: Sequence[S
     for r, p in enumerate(prompt_ids):
         tokens[r, :len(p)] = p
     lengths = np.array([len(p) for p in prompt_ids], np.int32)
-    from jaxdecode.decode import params_dtype  # decode imports this module
-
     acts, logits = _capture(model, params, tokens, lengths, points, interventions,
                             intervention_args(interventions), params_dtype(params))
     acts = {p: np.asarray(acts[p]) for p in points}

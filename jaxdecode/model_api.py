@@ -160,3 +160,9 @@ def cache_sharding(mesh: Any, cache: KVCache) -> KVCache:
         return jax.sharding.NamedSharding(mesh, fit_spec(spec or (), leaf.shape, mesh))
     return KVCache(k=one("k", cache.k), v=one("v", cache.v),
                    lengths=one("lengths", cache.lengths))
+
+
+def params_dtype(params: Any):
+    """The floating dtype of a model's weights (the KV cache is kept in it)."""
+    floats = [x.dtype for x in jax.tree.leaves(params) if jnp.issubdtype(x.dtype, jnp.floating)]
+    return floats[0] if floats else jnp.float32

@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxdecode import research as research_lib
 from jaxdecode.config import SamplingParams
-from jaxdecode.decode import params_dtype
+from jaxdecode.model_api import params_dtype
 from jaxdecode.model_api import DecoderModel, cache_sharding, fit_spec
 from jaxdecode.state import RowParams, StepState
 
