@@ -711,7 +711,12 @@ class LLM:
                 return
             self._queue = collections.deque(r for r in self._queue if not beam_lane.is_beam(r))
             self._cond.notify_all()
-        beam_lane.run(self, beams)
+        try:
+            beam_lane.run(self, beams)  # isolates the rows behind a failed call itself
+        except Exception as exc:  # anything else: the taken requests never hang
+            logger.exception("beam lane failed")
+            for r in beams:
+                self._fail(r, ErrorCode.MODEL_ERROR, f"{type(exc).__name__}: {exc}")
 
     def _admit(self) -> None:
         free = [slot for slot, r in enumerate(self._slots) if r is None]
