@@ -45,6 +45,13 @@ the beams; each beam carries its grammar state, gathered with the same parent in
 cache; the grammar mask is applied to the log-probabilities (as a logits processor, like the
 min_new_tokens mask); a hypothesis whose grammar completes is finished like one ending on EOS
 (finish reason `grammar_complete`). HF has no counterpart, so this part has no parity test.
+
+Custom processors (`processors=[jd.LogitProcessor, ...]`, jaxdecode/research.py) run after
+those masks on each beam's log-probabilities, every position in order, without renormalising
+(HF applies its logits processors to the log-softmax the same way). Each beam carries its own
+processor states, gathered with the same parent indices as the cache, and a finished
+hypothesis keeps the states it had when it finished (returned for the best one). A beam's
+context has no random key of its own: ctx.key derives from key data 0 and the step.
 """
 
 from __future__ import annotations
@@ -56,7 +63,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdecode import constraints, decode
+from jaxdecode import constraints, decode, research as research_lib
 from jaxdecode.config import SamplingParams
 from jaxdecode.decode import GenerateOutput, bucket
 from jaxdecode.model_api import DecoderModel, KVCache
@@ -80,11 +87,31 @@ def _gather(x: Array, idx: Array) -> Array:
     return jnp.take_along_axis(x, idx, axis=1)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7))
+def _custom_context(rs: Any, vocab: int, run_tok: Array, t: Array,
+                    live: Array) -> research_lib.ProcessorContext:
+    """The processor context of every beam ([B * W] rows) before choosing its token t + 1:
+    its prompt (from the prefill's ids, rs: ResearchState of B * W rows) then run_tok[:t]."""
+    bw, nb = live.shape[0], run_tok.shape[-1]
+    toks = run_tok.reshape(bw, nb)
+    plen = rs.prompt_length
+    j = jnp.arange(rs.ids.shape[1])[None, :] - plen[:, None]
+    out_tok = jnp.take_along_axis(toks, jnp.clip(j, 0, nb - 1), axis=1)
+    ids = jnp.where(j < 0, rs.ids, jnp.where(j < t, out_tok, -1))
+    written = jnp.where(jnp.arange(nb)[None, :] < t, toks, vocab)
+    counts = jnp.zeros((bw, vocab), jnp.int32).at[jnp.arange(bw)[:, None], written].add(
+        1, mode="drop")
+    step = jnp.full((bw,), t, jnp.int32)
+    return research_lib.ProcessorContext(
+        step=step, ids=ids, length=plen + t, prompt_length=plen, counts=counts,
+        key=research_lib.processor_keys(jnp.zeros((bw, 2), jnp.uint32), step + 1), live=live)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7), static_argnames=("research",))
 def _beam_loop(model: DecoderModel, params: Any, cache: KVCache, logits: Array,
                width: int, buffer_len: int, num_candidates: int, early_stopping: EarlyStopping,
                widths: Array, max_new: Array, min_new: Array, length_penalty: Array,
-               eos_mask: Array, gtables=None, gstate=None, row_eos=None):
+               eos_mask: Array, gtables=None, gstate=None, row_eos=None, research=None,
+               rstate=None):
     b, v = logits.shape
     constrained = gtables is not None   # static: a response_format was given
     w, nb, k = width, buffer_len, num_candidates
@@ -111,6 +138,12 @@ def _beam_loop(model: DecoderModel, params: Any, cache: KVCache, logits: Array,
     if constrained:  # per beam; gathered with the same parent indices as the cache
         carry["gstate"] = jnp.repeat(gstate[:, None], w, axis=1)
         beam_eos = jnp.repeat(row_eos, w, axis=0)
+    custom = research is not None and bool(research.processors)  # static
+    if custom:  # per beam [B, W, ...]; gathered like the cache; the pool keeps its own
+        beam_rs = jax.tree.map(lambda x: jnp.repeat(x, w, axis=0), rstate)
+        carry["pstates"] = jax.tree.map(lambda x: x.reshape((b, w) + x.shape[1:]),
+                                        beam_rs.states)
+        carry["pool_pstates"] = carry["pstates"]
 
     def body(c):
         t = c["t"]
@@ -119,6 +152,13 @@ def _beam_loop(model: DecoderModel, params: Any, cache: KVCache, logits: Array,
         if constrained:  # the grammar mask, on the log-probabilities like min_new_tokens
             masked = constraints.mask_logits(masked.reshape(b * w, v), gtables,
                                              c["gstate"].reshape(-1), beam_eos).reshape(b, w, v)
+        if custom:  # custom processors, every position in order, on the log-probabilities
+            flat = jax.tree.map(lambda x: x.reshape((b * w,) + x.shape[2:]), c["pstates"])
+            bound = research_lib.Bound(
+                research.processors,
+                _custom_context(beam_rs, v, c["run_tok"], t, valid.reshape(-1)), flat)
+            masked = bound.all_positions(masked.reshape(b * w, v)).reshape(b, w, v)
+            after = jax.tree.map(lambda x: x.reshape((b, w) + x.shape[1:]), tuple(bound.states))
         acc = (masked + c["run_score"][:, :, None]).reshape(b, w * v)
         cand_score, cand_idx = jax.lax.top_k(acc, k)                      # [B, K], sorted
         src = (cand_idx // v).astype(jnp.int32)
@@ -126,6 +166,7 @@ def _beam_loop(model: DecoderModel, params: Any, cache: KVCache, logits: Array,
         tok_lp = jnp.take_along_axis(logp.reshape(b, w * v), cand_idx, axis=1)
         cand_tok = _gather(c["run_tok"], src).at[:, :, t].set(tok)         # [B, K, NB]
         cand_lp = _gather(c["run_lp"], src).at[:, :, t].set(tok_lp)
+        cand_ps = jax.tree.map(lambda x: _gather(x, src), after) if custom else None
         fin = eos_mask[tok] | (t + 1 >= max_new)
         complete = jnp.zeros_like(fin)
         if constrained:  # a completed grammar ends the hypothesis like EOS
@@ -183,10 +224,17 @@ def _beam_loop(model: DecoderModel, params: Any, cache: KVCache, logits: Array,
                    pool_complete=pool_complete)
         if constrained:
             out["gstate"] = _gather(cand_g, sel)
+        if custom:
+            out["pstates"] = jax.tree.map(lambda x: _gather(x, sel), cand_ps)
+            out["pool_pstates"] = jax.tree.map(
+                lambda old, new: _gather(jnp.concatenate([old, new], axis=1), pick),
+                c["pool_pstates"], cand_ps)
         return out
 
     c = jax.lax.while_loop(lambda c: c["go"], body, carry)
-    return c["pool_tok"], c["pool_lp"], c["pool_score"], c["pool_len"], c["pool_complete"]
+    best_states = jax.tree.map(lambda x: x[:, 0], c["pool_pstates"]) if custom else None
+    return (c["pool_tok"], c["pool_lp"], c["pool_score"], c["pool_len"], c["pool_complete"],
+            best_states)
 
 
 def beam_search(model: DecoderModel, params: Any, prompt_ids: Sequence[Sequence[int]], *,
@@ -194,7 +242,8 @@ def beam_search(model: DecoderModel, params: Any, prompt_ids: Sequence[Sequence[
                 early_stopping: EarlyStopping = False, max_new_tokens: int,
                 num_return_sequences: int = 1, min_new_tokens: int = 0,
                 eos_token_ids: Optional[Sequence[int]] = None,
-                response_format: Optional[dict] = None, tokenizer: Any = None) -> GenerateOutput:
+                response_format: Optional[dict] = None, tokenizer: Any = None,
+                processors: Sequence[Any] = ()) -> GenerateOutput:
     """Beam search over ragged prompts, entirely on device (DESIGN.md `jd.beam_search`).
 
     num_beams: one width for every row, or one per row (padded to the widest and masked).
@@ -205,6 +254,8 @@ def beam_search(model: DecoderModel, params: Any, prompt_ids: Sequence[Sequence[
     `response_format` (with `tokenizer`, as in `generate`) constrains every row: the grammar
     mask applies to the log-probabilities, each beam carries its own grammar state, and a
     hypothesis whose grammar completes is finished like one that ends on EOS.
+    `processors`: custom jd.LogitProcessor (the module docstring); the best hypothesis'
+    final states come back in `processor_states`.
     """
     prompt_ids = token_rows(prompt_ids)
     b = len(prompt_ids) if prompt_ids else 0
@@ -233,8 +284,9 @@ def beam_search(model: DecoderModel, params: Any, prompt_ids: Sequence[Sequence[
 
     # validation of the prompts and the prefill (once per prompt) are `generate`'s
     sp = SamplingParams(temperature=0.0, max_tokens=n, response_format=response_format)
+    setup = research_lib.configure(model, processors=processors)
     state, _, _ = decode.prepare(model, params, prompt_ids, sp, n, None, eos_token_ids=eos,
-                                 tokenizer=tokenizer)
+                                 tokenizer=tokenizer, research=setup)
     eos_mask = np.zeros((cfg.vocab_size,), bool)
     eos_mask[list(eos)] = True
     width = max(widths)
@@ -242,10 +294,11 @@ def beam_search(model: DecoderModel, params: Any, prompt_ids: Sequence[Sequence[
     buffer_len = bucket(n)
     grammar = {} if state.grammar is None else dict(
         gtables=state.grammar, gstate=state.grammar_state, row_eos=state.rows.eos_mask)
-    tok, lps, score, length, complete = _beam_loop(
+    tok, lps, score, length, complete, best_states = _beam_loop(
         model, params, state.cache, state.logits, width, buffer_len, num_candidates,
         early_stopping, np.asarray(widths, np.int32), np.int32(n), np.int32(min_new_tokens),
-        np.float32(length_penalty), eos_mask, **grammar)
+        np.float32(length_penalty), eos_mask, **grammar,
+        research=None if setup is None else setup.config, rstate=state.research)
     tok, lps, score, length, complete = (np.asarray(x) for x in (tok, lps, score, length,
                                                                   complete))
 
@@ -262,5 +315,8 @@ def beam_search(model: DecoderModel, params: Any, prompt_ids: Sequence[Sequence[
         ended_on_eos = ln > 0 and int(tok[r, 0, ln - 1]) in eos
         reasons.append(FinishReason.EOS if ended_on_eos else FinishReason.GRAMMAR_COMPLETE
                        if complete[r, 0] else FinishReason.MAX_OUTPUT_TOKENS)
+    custom = {} if setup is None else dict(
+        processor_order=research_lib.describe_order(setup.config.processors, beam=True),
+        processor_states=research_lib.final_states(setup.config, best_states))
     return GenerateOutput(token_ids=token_ids, lengths=lengths, finish_reasons=reasons,
-                          errors=[None] * b, logprobs=logprobs, beams=beams)
+                          errors=[None] * b, logprobs=logprobs, beams=beams, **custom)

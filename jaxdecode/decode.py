@@ -15,6 +15,7 @@ id, grammar completion, max_tokens, the context limit. Constraints: jaxdecode/co
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -25,7 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdecode import constraints, processors, sampling as sampling_lib
+from jaxdecode import constraints, hooks, processors, research as research_lib
+from jaxdecode import sampling as sampling_lib
 from jaxdecode.config import SamplingParams
 from jaxdecode.model_api import DecoderModel
 from jaxdecode.prompts import token_rows
@@ -94,28 +96,47 @@ def accepts_kv_len(model_type: type) -> bool:
     return "kv_len" in inspect.signature(model_type.forward).parameters
 
 
-@functools.partial(jax.jit, static_argnums=(0, 5))
+def research_hook(research: Optional[research_lib.ResearchConfig], args: Any, captured: dict,
+                  select) -> dict:
+    """The forward's `hook` keyword for a research run with capture or interventions (captured
+    points land in `captured`, each through `select`), else no keyword."""
+    if research is None or not research.hooked:
+        return {}
+    return {"hook": hooks.make_hook(research.interventions, args.hook_args, research.capture,
+                                    captured, select)}
+
+
+@functools.partial(jax.jit, static_argnums=(0, 5), static_argnames=("research",))
 def prefill(model: DecoderModel, params: Any, tokens: Array, lengths: Array, rows: RowParams,
-            cache_len: int) -> StepState:
+            cache_len: int, research: Optional[research_lib.ResearchConfig] = None,
+            research_args: Optional[research_lib.ResearchArgs] = None) -> StepState:
     """Prompt pass: tokens int32[B, T] right-padded (T a bucket), lengths int32[B] >= 1.
 
     Returns the StepState before y_1: the cache holds the prompts, `logits` is the last real
-    position's row of logits."""
+    position's row of logits. `research` (static) and its args: interventions apply to the
+    prompt, and `StepState.research` starts (jaxdecode/research.py)."""
     b, t = tokens.shape
     cache = model.init_cache(b, cache_len, params_dtype(params))
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     # the cache is empty before the prompt: attend to the prompt bucket only
     extra = {"kv_len": t} if accepts_kv_len(type(model)) else {}
+    captured: dict = {}
+    extra.update(research_hook(research, research_args, captured, lambda x: jnp.take_along_axis(
+        x, (lengths - 1)[:, None, None], axis=1)[:, 0]))
     logits, cache = model.forward(params, tokens, positions, cache, lengths=lengths, **extra)
     last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
     vocab = last.shape[-1]
     real = jnp.arange(t)[None, :] < lengths[:, None]
     seen = jnp.zeros((b, vocab), bool).at[jnp.arange(b)[:, None], tokens].max(real)
-    return StepState(cache=cache, logits=last.astype(jnp.float32),
-                     last_token=jnp.full((b,), -1, jnp.int32), step=jnp.zeros((b,), jnp.int32),
-                     counts=jnp.zeros((b, vocab), jnp.int32), seen=seen,
-                     done=jnp.zeros((b,), bool), paused=jnp.zeros((b,), bool),
-                     finish=jnp.zeros((b,), jnp.int32), rows=rows)
+    state = StepState(cache=cache, logits=last.astype(jnp.float32),
+                      last_token=jnp.full((b,), -1, jnp.int32), step=jnp.zeros((b,), jnp.int32),
+                      counts=jnp.zeros((b, vocab), jnp.int32), seen=seen,
+                      done=jnp.zeros((b,), bool), paused=jnp.zeros((b,), bool),
+                      finish=jnp.zeros((b,), jnp.int32), rows=rows)
+    if research is not None:
+        state = state.replace(research=research_lib.initial_state(
+            research, research_args, tokens, lengths, cache_len, captured))
+    return state
 
 
 def finish_codes(state: StepState, logprobs: Array, token: Array,
@@ -150,22 +171,31 @@ def finish_codes(state: StepState, logprobs: Array, token: Array,
 
 
 def decode_step(model: DecoderModel, params: Any, state: StepState, top_logprobs: int = 0,
-                kv_len: Optional[int] = None) -> tuple[StepState, StepOutput]:
+                kv_len: Optional[int] = None,
+                research: Optional[research_lib.ResearchConfig] = None,
+                research_args: Optional[research_lib.ResearchArgs] = None
+                ) -> tuple[StepState, StepOutput]:
     """Select y_t for every live row, then write it and compute z_{t+1} where the row goes on.
 
     Paused rows neither select nor write. `kv_len` (static) bounds attention to the first kv_len
-    cache positions; the caller guarantees every live row's length stays below it."""
+    cache positions; the caller guarantees every live row's length stays below it.
+    `research` (static, with its args): custom processors, interventions, captures, extra
+    outputs and observers (jaxdecode/research.py)."""
     t = state.step + 1
     grammar = None if state.grammar is None else (state.grammar, state.grammar_state)
-    logprobs = processors.process(state.logits, state.rows, state.counts, state.seen, state.step,
-                                  grammar)
     live = ~state.done & ~state.paused
+    bound = None if research is None else research_lib.bind_step(
+        research, state.research, state.rows.keys, state.step, state.counts, live)
+    logprobs = processors.process(state.logits, state.rows, state.counts, state.seen, state.step,
+                                  grammar, bound)
     token = sampling_lib.select(logprobs, state.rows, t, live)
     grammar_next = None if grammar is None else constraints.next_state(*grammar, token)
     finish = finish_codes(state, logprobs, token, grammar_next)
     goes_on = live & (finish == RUNNING)
 
     extra = {"kv_len": kv_len} if kv_len is not None and accepts_kv_len(type(model)) else {}
+    captured: dict = {}
+    extra.update(research_hook(research, research_args, captured, lambda x: x[:, 0]))
     logits, cache = model.forward(params, token[:, None], state.cache.lengths[:, None],
                                   state.cache, lengths=goes_on.astype(jnp.int32), **extra)
     rows_idx = jnp.arange(token.shape[0])
@@ -191,25 +221,35 @@ def decode_step(model: DecoderModel, params: Any, state: StepState, top_logprobs
     out = StepOutput(token=jnp.where(live, token, -1), finish=finish,
                      logprob=jnp.take_along_axis(raw, token[:, None], axis=-1)[:, 0],
                      top_ids=top_ids, top_logprobs=top_lp)
+    if research is not None:  # research: carry, extra outputs, observers (research.py)
+        new_state = new_state.replace(research=research_lib.advance(
+            state.research, bound, token, live, goes_on, captured))
+        out = out.replace(**research_lib.step_outputs(research, state.research, state.logits,
+                                                      logprobs))
+        out = out.replace(observed=tuple(f(new_state, out) for f in research.observers))
     return new_state, out
 
 
-def _step_shared_grammar(model, params, state, top_logprobs, kv_len, grammar):
+def _step_shared_grammar(model, params, state, top_logprobs, kv_len, grammar, research,
+                         research_args):
     new_state, out = decode_step(model, params, state.replace(grammar=grammar), top_logprobs,
-                                 kv_len)
+                                 kv_len, research, research_args)
     return new_state.replace(grammar=None), out
 
 
-_step_jit = jax.jit(_step_shared_grammar, static_argnums=(0, 3, 4), donate_argnums=(2,))
+_step_jit = jax.jit(_step_shared_grammar, static_argnums=(0, 3, 4, 6), donate_argnums=(2,))
 
 
 def decode_step_jit(model: DecoderModel, params: Any, state: StepState, top_logprobs: int = 0,
-                    kv_len: Optional[int] = None) -> tuple[StepState, StepOutput]:
+                    kv_len: Optional[int] = None,
+                    research: Optional[research_lib.ResearchConfig] = None,
+                    research_args: Optional[research_lib.ResearchArgs] = None
+                    ) -> tuple[StepState, StepOutput]:
     """`decode_step`, jitted, with the state donated -- except the constraint tables
     (`state.grammar`), which are shared read-only data like `params` and pass through untouched."""
     grammar = state.grammar
     new_state, out = _step_jit(model, params, state.replace(grammar=None), top_logprobs, kv_len,
-                               grammar)
+                               grammar, research, research_args)
     return new_state.replace(grammar=grammar), out
 
 
@@ -228,6 +268,10 @@ class GenerateOutput:
     `grammar_complete`); logprobs f32[B, N]: the raw model log-probability of each selected token
     (before processors, as OpenAI and vLLM report), when asked; top_logprobs: (ids, logprobs)
     int32/f32[B, N, K] when some row asked for K > 0.
+    Research options (jaxdecode/research.py): scores / logits f32[B, N, V] (with outputs_top_k
+    K: [B, N, K] and score_ids / logit_ids), hidden_states {layer: f32[B, N, hidden]},
+    observations (one stacked pytree per observer), processor_states (each custom processor's
+    final state, None when stateless) and processor_order (the stages in the order used).
     """
 
     token_ids: np.ndarray
@@ -237,35 +281,61 @@ class GenerateOutput:
     logprobs: Optional[np.ndarray] = None
     top_logprobs: Optional[tuple[np.ndarray, np.ndarray]] = None
     beams: Optional[list] = None
+    # research options (jaxdecode/research.py): set only when asked
+    scores: Optional[np.ndarray] = None
+    logits: Optional[np.ndarray] = None
+    score_ids: Optional[np.ndarray] = None
+    logit_ids: Optional[np.ndarray] = None
+    hidden_states: Optional[dict] = None
+    observations: Optional[list] = None
+    processor_states: Optional[tuple] = None
+    processor_order: Optional[tuple] = None
 
     def tokens(self, row: int) -> list[int]:
         return self.token_ids[row, : self.lengths[row]].tolist()
 
 
-@functools.partial(jax.jit, static_argnums=(0, 3, 4))
-def _generate_loop(model, params, state: StepState, num_steps: int, top_logprobs: int):
+@functools.partial(jax.jit, static_argnums=(0, 3, 4, 5))
+def _generate_loop(model, params, state: StepState, num_steps: int, top_logprobs: int,
+                   research: Optional[research_lib.ResearchConfig] = None,
+                   research_args: Optional[research_lib.ResearchArgs] = None):
+    """The while-loop driver. With `research`, also step-major buffers [num_steps, ...] of
+    each step's research outputs (`research.extras`), and the host callback after each step."""
     b = state.step.shape[0]
+    step = functools.partial(decode_step, model, params, top_logprobs=top_logprobs,
+                             research=research, research_args=research_args)
     buffers = (jnp.full((b, num_steps), -1, jnp.int32), jnp.zeros((b, num_steps), jnp.float32),
                jnp.zeros((b, num_steps, top_logprobs), jnp.int32),
                jnp.zeros((b, num_steps, top_logprobs), jnp.float32))
+    extra = None
+    if research is not None:
+        template = research_lib.extras(jax.eval_shape(step, state)[1])
+        extra = jax.tree.map(lambda x: jnp.zeros((num_steps,) + x.shape, x.dtype), template)
 
     def cond(carry):
-        i, state, _ = carry
+        i, state, _, _ = carry
         return (i < num_steps) & ~jnp.all(state.done)
 
     def body(carry):
-        i, state, bufs = carry
-        state, out = decode_step(model, params, state, top_logprobs)
+        i, state, bufs, extra = carry
+        state, out = step(state)
         bufs = tuple(buf.at[:, i].set(value) for buf, value in
                      zip(bufs, (out.token, out.logprob, out.top_ids, out.top_logprobs)))
-        return i + 1, state, bufs
+        if research is not None:
+            extra = jax.tree.map(lambda buf, x: buf.at[i].set(x), extra,
+                                 research_lib.extras(out))
+            if research.host_callback:
+                research_lib.emit(research_args.callback_id, i, out)
+        return i + 1, state, bufs, extra
 
-    _, state, buffers = jax.lax.while_loop(cond, body, (jnp.int32(0), state, buffers))
-    return state, buffers
+    _, state, buffers, extra = jax.lax.while_loop(cond, body,
+                                                  (jnp.int32(0), state, buffers, extra))
+    return state, buffers, extra
 
 
 def iterate(model: DecoderModel, params: Any, state: StepState, num_steps: int,
-            top_logprobs: int = 0):
+            top_logprobs: int = 0, research: Optional[research_lib.ResearchConfig] = None,
+            research_args: Optional[research_lib.ResearchArgs] = None):
     """The Python-loop driver of `decode_step`: yields (state, host StepOutput) per step.
 
     Step t+1 is dispatched before step t's output is fetched, so host work on the yielded
@@ -275,11 +345,13 @@ def iterate(model: DecoderModel, params: Any, state: StepState, num_steps: int,
     done = np.array(state.done)
     if done.all() or num_steps < 1:
         return
-    state, out = decode_step_jit(model, params, state, top_logprobs)
+    step = functools.partial(decode_step_jit, model, params, top_logprobs=top_logprobs,
+                             research=research, research_args=research_args)
+    state, out = step(state)
     for i in range(num_steps):
         following = None
         if i + 1 < num_steps:
-            state, following = decode_step_jit(model, params, state, top_logprobs)
+            state, following = step(state)
         host = jax.device_get(out)
         yield state, host
         done |= host.finish != RUNNING
@@ -291,10 +363,11 @@ def iterate(model: DecoderModel, params: Any, state: StepState, num_steps: int,
 def prepare(model: DecoderModel, params: Any, prompt_ids: Sequence[Sequence[int]],
             sampling: SamplingParams | Sequence[SamplingParams], max_new_tokens: Optional[int],
             key: Optional[Array], eos_token_ids: Optional[Sequence[int]] = None,
-            tokenizer: Any = None):
+            tokenizer: Any = None, research: Optional[research_lib.Setup] = None):
     """Validate ragged prompts and settings; prefill. Returns (state, per-row params, N).
 
-    Rows with a response_format are compiled against `tokenizer` (constraints.prepare_rows)."""
+    Rows with a response_format are compiled against `tokenizer` (constraints.prepare_rows).
+    `research`: the run's research options (research.configure), applied from the prefill on."""
     if not prompt_ids or not all(len(p) > 0 for p in prompt_ids):
         raise ValueError("prompt_ids: expected a non-empty list of non-empty token-id lists")
     b = len(prompt_ids)
@@ -330,7 +403,14 @@ def prepare(model: DecoderModel, params: Any, prompt_ids: Sequence[Sequence[int]
     eos = cfg.eos_token_ids if eos_token_ids is None else tuple(eos_token_ids)
     rows = RowParams.build(rows_sp, cfg.vocab_size, eos, keys=keys)
     grammar = constraints.prepare_rows(rows_sp, tokenizer, cfg.vocab_size, eos)  # before prefill
-    state = prefill(model, params, tokens, lengths, rows, size)
+    if research is None:
+        state = prefill(model, params, tokens, lengths, rows, size)
+    else:
+        if research.config.interventions and any(s.n > 1 for s in rows_sp):
+            raise ValueError("interventions: not supported with n > 1 (the prompt pass is "
+                             "shared by the samples; give each sample its own prompt row)")
+        state = prefill(model, params, tokens, lengths, rows, size,
+                        research=research.config, research_args=research.args)
     if grammar is not None:  # constraints: tables + initial per-row states
         state = state.replace(grammar_state=jnp.asarray(grammar[1]), grammar=grammar[0].tables)
     if any(s.n > 1 for s in rows_sp):
@@ -377,7 +457,11 @@ def expand_n(state: StepState, rows_sp: Sequence[SamplingParams], keys: np.ndarr
 def generate(model: DecoderModel, params: Any, prompt_ids: Sequence[Sequence[int]],
              sampling: SamplingParams | Sequence[SamplingParams], *,
              max_new_tokens: Optional[int] = None, key: Optional[Array] = None,
-             trace: bool = True, tokenizer: Any = None) -> GenerateOutput:
+             trace: bool = True, tokenizer: Any = None, processors: Sequence[Any] = (),
+             return_scores: bool = False, return_logits: bool = False,
+             return_hidden_states: Sequence[Any] = (), outputs_top_k: int = 0,
+             observers: Sequence[Any] = (), host_callback: Any = None,
+             interventions: Sequence[Any] = ()) -> GenerateOutput:
     """Decode ragged prompts entirely on device (DESIGN.md `jd.generate`).
 
     A row's randomness comes from its seed; `key` serves rows with seed=None (row r uses
@@ -387,19 +471,34 @@ def generate(model: DecoderModel, params: Any, prompt_ids: Sequence[Sequence[int
     fold_in(request key, i), so a seeded request's n samples are reproducible.
     `trace=False` drives the same step from a Python loop instead of `lax.while_loop`.
     `tokenizer` is needed when a row has a response_format (jaxdecode/constraints).
+    Research options (jaxdecode/research.py, jaxdecode/hooks.py): `processors` (custom
+    jd.LogitProcessor), `return_scores`, `return_logits` (with `outputs_top_k`),
+    `return_hidden_states`, step `observers`, `host_callback`, `interventions` (jd.steer,
+    jd.ablate, jd.Intervention).
     """
     prompt_ids = token_rows(prompt_ids)
+    setup = research_lib.configure(
+        model, processors=processors, return_scores=return_scores, return_logits=return_logits,
+        return_hidden_states=return_hidden_states, outputs_top_k=outputs_top_k,
+        observers=observers, host_callback=host_callback, interventions=interventions)
     state, rows_sp, n = prepare(model, params, prompt_ids, sampling, max_new_tokens, key,
-                                tokenizer=tokenizer)
+                                tokenizer=tokenizer, research=setup)
     k = max(s.logprobs for s in rows_sp)
     buffer_len = bucket(n)
+    config = None if setup is None else setup.config
     if trace:
-        state, bufs = _generate_loop(model, params, state, buffer_len, k)
-        tokens, logprob, top_ids, top_lp = (np.asarray(x) for x in bufs)
+        with contextlib.nullcontext() if setup is None else setup.callback_scope():
+            state, bufs, extra = _generate_loop(model, params, state, buffer_len, k, config,
+                                                None if setup is None else setup.args)
+            tokens, logprob, top_ids, top_lp = (np.asarray(x) for x in bufs)
     else:
         outs = []
-        for state, out in iterate(model, params, state, n, k):
+        for state, out in iterate(model, params, state, n, k, config,
+                                  None if setup is None else setup.args):
+            if setup is not None:
+                setup.host_step(len(outs), out)
             outs.append(out)
+        extra = None if setup is None else research_lib.stack_host(outs)
         stack = lambda name: np.stack([getattr(o, name) for o in outs], 1)  # noqa: E731
         tokens, logprob, top_ids, top_lp = (stack(x) for x in
                                             ("token", "logprob", "top_ids", "top_logprobs"))
@@ -410,12 +509,13 @@ def generate(model: DecoderModel, params: Any, prompt_ids: Sequence[Sequence[int
     tokens, logprob = _fit(tokens, n), _fit(logprob, n)
     after_end = np.arange(n)[None, :] >= lengths[:, None]
     tokens[after_end], logprob[after_end] = -1, 0.0
-    return GenerateOutput(
+    result = GenerateOutput(
         token_ids=tokens.astype(np.int32), lengths=lengths,
         finish_reasons=[FINISH_REASONS[int(c)] for c in finish],
         errors=[ERRORS.get(int(c)) for c in finish],
         logprobs=logprob,
         top_logprobs=(_fit(top_ids, n), _fit(top_lp, n)) if k else None)
+    return result if setup is None else setup.finish(result, extra, state.research, n)
 
 
 def _fit(x: np.ndarray, width: int) -> np.ndarray:

@@ -47,6 +47,13 @@ engine thread never meets a value it cannot hold. Host work for one request runs
 is found by retrying the step without it and fails alone; the others are rebuilt from their
 prompt and selected tokens (`_prefill_into`) and go on unchanged; `health()` is degraded until
 a step succeeds again.
+
+Custom processors (`LLM(processors=[jd.LogitProcessor, ...])`, jaxdecode/research.py) are set
+at construction and apply to every request, slot steps and beam calls alike; each slot row
+carries its own processor states, started from `init_state` at admission. They never come
+over HTTP (the server runs no user code). Not combined with `speculative=` (use
+`jd.speculative_generate(processors=...)`) nor with `save_request` / `restore_request`.
+Records name them (`processors`), and `jd.replay` reports a difference.
 """
 
 from __future__ import annotations
@@ -67,7 +74,7 @@ import numpy as np
 
 from jaxdecode import admission, beam_lane, constraints, decode, faults, speculative_engine
 from jaxdecode import replay as replay_lib
-from jaxdecode import request_state, step_ops
+from jaxdecode import request_state, research, step_ops
 from jaxdecode.config import MAX_LOGPROBS, SamplingParams
 from jaxdecode.host import Lifecycle, OrderedStream, TextPipeline
 from jaxdecode.model_api import DecoderModel
@@ -259,7 +266,8 @@ class LLM:
                  mesh: Optional[Any] = None, speculative: Optional[dict] = None,
                  step_hook: Optional[Any] = None, max_num_beams: int = admission.MAX_NUM_BEAMS,
                  max_n: int = admission.MAX_N, max_constraint_compile_s: float = 30.0,
-                 max_constraint_states: int = constraints.limits.MAX_STATES):
+                 max_constraint_states: int = constraints.limits.MAX_STATES,
+                 processors: Optional[Sequence[Any]] = None):
         if not isinstance(max_slots, int) or max_slots < 1:
             raise ValueError(f"max_slots: must be a positive integer, got {max_slots!r}")
         if not isinstance(max_len, int) or not 2 <= max_len <= model.config.max_len:
@@ -291,12 +299,21 @@ class LLM:
             if mesh is not None:
                 raise ValueError("speculative: not supported together with mesh yet")
             self._spec = speculative_engine.SpeculativeRunner(config, model, params)
+        # custom processors (jaxdecode/research.py): fixed for the engine's life
+        self._research = research.configure(model, processors=processors)
+        if self._research is not None and speculative is not None:
+            raise ValueError("processors: not supported together with speculative= in the "
+                             "engine (jd.speculative_generate takes processors)")
+        if self._research is not None and step_hook is not None:
+            raise ValueError("processors: not supported with step_hook (multi-host followers "
+                             "run no user code)")
         # every device call is a step_ops.StepOp, given to step_hook.publish(op) before it is
         # applied: serving/distributed.py broadcasts them to the other hosts' followers
         self.step_hook = step_hook
         self._context = step_ops.Context(model, params, max_slots, max_len, self.eos_token_ids,
                                          mesh, replicate_outputs=step_hook is not None,
-                                         tokenizer=tokenizer, spec=self._spec)
+                                         tokenizer=tokenizer, spec=self._spec,
+                                         research=self._research)
         self._hashes: dict = {}
         self.error: Optional[str] = None  # the last engine failure
         self.degraded: Optional[str] = None  # why, from a failed step to the next good one
@@ -495,7 +512,13 @@ class LLM:
                     "prompt_bucket": decode.bucket(len(r.prompt_ids), self.max_len)},
             detokenizer_mode=r.pipeline.detokenizer.mode, token_ids=r.token_ids,
             text=r.pipeline.text, finish_reason=finish.value if finish else None,
-            error=error.value if error else None, usage=dataclasses.asdict(r.usage()))
+            error=error.value if error else None, usage=dataclasses.asdict(r.usage()),
+            processors=self.processor_order)
+
+    @property
+    def processor_order(self) -> Optional[tuple]:
+        """The processing stages with the engine's custom processors (None without them)."""
+        return None if self._research is None else self._research.processor_order
 
     def run_record(self, record: replay_lib.GenerationRecord) -> Completion:
         """Run a record's request again: same prompt ids, settings, seed and sample index."""
@@ -513,6 +536,8 @@ class LLM:
         request.json): cache up to its length, logits, last token, step, penalty counts,
         per-row settings and key, grammar state, and the host counters. The request stays
         paused here (`resume()` or `cancel()` it); `restore_request` continues it anywhere."""
+        if self._research is not None:  # processor states are not part of a saved request
+            raise ValueError("processors: save_request is not supported with processors=")
         if handle.done or handle.slot is None:
             raise ValueError("request: only a running request (in a slot) can be saved")
         if self._spec is not None:
@@ -555,6 +580,8 @@ class LLM:
         equals an uninterrupted run's, byte for byte."""
         if self._spec is not None:
             raise ValueError("speculative: restore_request is not supported with speculative=")
+        if self._research is not None:
+            raise ValueError("processors: restore_request is not supported with processors=")
         arrays, meta = request_state.load(path)
         if meta.get("model_hash") != self.params_hash:
             raise ValueError("path: the saved request was decoded with other weights")

@@ -78,6 +78,13 @@ class DecoderModel(Protocol):
     Models must be hashable (frozen dataclasses): they are static arguments of jitted functions.
     A model may also accept an optional static keyword `kv_len`: attend to cache positions
     [0, kv_len) only (the decoder passes it when every row is shorter; models without it work).
+
+    Hook points (optional, jaxdecode/hooks.py): a model that accepts the keyword `hook` calls
+    `x = hook(name, x)` at each point of `hook_points(config.num_layers)`, in that order, with
+    `x` the activation [B, T, hidden] of this call's tokens, and continues with the returned
+    value (same shape and dtype). `hook=None` (the default) must leave the computation exactly
+    as without the keyword. The decoder reads captured values and applies interventions
+    through this one function.
     """
 
     config: ModelConfig
@@ -86,6 +93,26 @@ class DecoderModel(Protocol):
 
     def forward(self, params: Any, tokens: Array, positions: Array, cache: KVCache, *,
                 lengths: Array) -> tuple[Array, KVCache]: ...
+
+
+def hook_points(num_layers: int) -> tuple[str, ...]:
+    """The named hook points every family in models/ provides, in call order:
+
+    "embed"          the input of layer 0 (token embedding; GPT-2: plus position embedding)
+    "resid.{i}"      the residual stream after layer i, i = 0 .. num_layers - 1
+    "final_norm"     the output of the final norm (the LM head's input)
+
+    Hugging Face's `output_hidden_states` tuple is ("embed", "resid.0", ..., "resid.{L-2}",
+    "final_norm"): its entry l is `hidden_state_point(l, L)`."""
+    return ("embed",) + tuple(f"resid.{i}" for i in range(num_layers)) + ("final_norm",)
+
+
+def hidden_state_point(layer: int, num_layers: int) -> str:
+    """The hook point of entry `layer` of HF's `output_hidden_states` (0 .. num_layers)."""
+    if not 0 <= layer <= num_layers:
+        raise ValueError(f"return_hidden_states: layer {layer} is outside [0, {num_layers}] "
+                         "(HF output_hidden_states indexing: 0 = embeddings, L = final norm)")
+    return "embed" if layer == 0 else "final_norm" if layer == num_layers else f"resid.{layer - 1}"
 
 
 # -- sharding -----------------------------------------------------------------------------------

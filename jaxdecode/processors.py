@@ -11,12 +11,14 @@
 5. renormalisation (log-softmax)
 
 Every processor is vectorised over rows with that row's own parameters (SPEC P3). Selection
-(step 6) lives in `sampling.py`.
+(step 6) lives in `sampling.py`. User-defined processors (jaxdecode/research.py) run at four
+named points of this order: "first" (before 1), "after_penalties" (after 2),
+"after_temperature" (after 3) and "last" (after 4, before 5).
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -77,17 +79,25 @@ def apply_truncation(logits: Array, rows: RowParams) -> Array:
 
 
 def process(logits: Array, rows: RowParams, counts: Array, seen: Array, step: Array,
-            grammar: Optional[tuple] = None) -> Array:
+            grammar: Optional[tuple] = None, custom: Optional[Callable] = None) -> Array:
     """SPEC §3 steps 1-5: raw logits f32[B, V] -> log-probabilities (-inf where removed).
 
     Rows with temperature 0 get their penalised and masked logits renormalised; their selection
-    is the argmax (`sampling.select`). `grammar` = (GrammarTables, int32[B] states) or None."""
-    x = apply_penalties(logits.astype(jnp.float32), rows, counts, seen)
+    is the argmax (`sampling.select`). `grammar` = (GrammarTables, int32[B] states) or None.
+    `custom(position, x) -> x`: user processors at their positions (jaxdecode/research.py)."""
+    x = logits.astype(jnp.float32)
+    if custom is not None:
+        x = custom("first", x)
+    x = apply_penalties(x, rows, counts, seen)
     x = apply_masks(x, rows, step)
     if grammar is not None:  # constraints: step 2, grammar mask
         x = constraint_tables.mask_logits(x, grammar[0], grammar[1], rows.eos_mask)
     greedy = (rows.temperature == 0)[:, None]
-    x = jnp.where(greedy, x, apply_truncation(apply_temperature(x, rows), rows))
+    if custom is None:
+        x = jnp.where(greedy, x, apply_truncation(apply_temperature(x, rows), rows))
+    else:  # temperature divides greedy rows by 1 (exact); truncation skips them
+        x = custom("after_temperature", apply_temperature(custom("after_penalties", x), rows))
+        x = custom("last", jnp.where(greedy, x, apply_truncation(x, rows)))
     all_masked = jnp.all(jnp.isneginf(x), axis=-1, keepdims=True)  # SPEC P2: -inf, never NaN
     return jnp.where(all_masked, -jnp.inf, jax.nn.log_softmax(x, axis=-1))
 

@@ -122,13 +122,15 @@ def build_record(*, model_hash: str, model_config: Any, model_source: Optional[s
                  sampling: SamplingParams, seed: int, key_data: np.ndarray, sample_index: int,
                  layout: dict, detokenizer_mode: str, token_ids: list, text: str,
                  finish_reason: Optional[str], error: Optional[str], usage: dict,
-                 messages: Optional[list] = None, chat_template_hash: Optional[str] = None
-                 ) -> GenerationRecord:
+                 messages: Optional[list] = None, chat_template_hash: Optional[str] = None,
+                 processors: Optional[tuple] = None) -> GenerationRecord:
+    """The record of one request; `processors`: the stage order with custom processors
+    (jaxdecode/research.py), recorded only when there are some."""
     prompt = {"ids": list(prompt_ids), "text": prompt_text,
               "bytes_b64": (base64.b64encode(prompt_text.encode()).decode()
                             if prompt_text is not None else None),
               "messages": messages, "chat_template_hash": chat_template_hash}
-    return GenerationRecord({
+    record = GenerationRecord({
         "format": RECORD_FORMAT,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "processor_order": PROCESSOR_ORDER,
@@ -150,6 +152,9 @@ def build_record(*, model_hash: str, model_config: Any, model_source: Optional[s
                    "text_sha256": hashlib.sha256(text.encode()).hexdigest(),
                    "finish_reason": finish_reason, "error": error, "usage": usage},
     })
+    if processors is not None:
+        record.data["processors"] = list(processors)
+    return record
 
 
 @dataclasses.dataclass
@@ -193,6 +198,10 @@ def environment_differences(record: GenerationRecord, llm: Any) -> list:
         out.append("model: weights differ from the recorded snapshot hash")
     if record.data["tokenizer"]["hash"] != llm.tokenizer_hash:
         out.append("tokenizer: differs from the recorded snapshot hash")
+    now_processors = getattr(llm, "processor_order", None)
+    was_processors = record.data.get("processors")
+    if (list(now_processors) if now_processors else None) != was_processors:
+        out.append(f"processors: recorded {was_processors!r}, now {now_processors!r}")
     return out
 
 

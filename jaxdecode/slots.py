@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxdecode import research as research_lib
 from jaxdecode.config import SamplingParams
 from jaxdecode.decode import params_dtype
 from jaxdecode.model_api import DecoderModel, cache_sharding, fit_spec
@@ -23,17 +24,20 @@ from jaxdecode.state import RowParams, StepState
 
 
 def empty_state(model: DecoderModel, params: Any, slots: int, max_len: int,
-                eos_token_ids: Sequence[int], mesh: Optional[Any] = None) -> StepState:
+                eos_token_ids: Sequence[int], mesh: Optional[Any] = None,
+                research: Optional[Any] = None, research_args: Optional[Any] = None
+                ) -> StepState:
     """Every row done: a step over it selects and writes nothing. With a `jax.sharding.Mesh`,
     the state is created already placed by `state_sharding` (the jitted steps then keep it
-    partitioned: GSPMD follows the shardings of their inputs)."""
+    partitioned: GSPMD follows the shardings of their inputs). `research` (the engine's custom
+    processors, jaxdecode/research.py) adds their per-row carry, empty."""
     rows = RowParams.build([SamplingParams()] * slots, model.config.vocab_size, eos_token_ids,
                            keys=np.zeros((slots, 2), np.uint32))
-    args = (model, params_dtype(params), max_len, rows)
+    args = (model, params_dtype(params), max_len, rows, research, research_args)
     if mesh is None:
         return _empty_state(*args)
     shardings = state_sharding(mesh, jax.eval_shape(_empty_state, *args))
-    return jax.jit(_empty_state_fn, static_argnums=(0, 1, 2), out_shardings=shardings)(*args)
+    return jax.jit(_empty_state_fn, static_argnums=(0, 1, 2, 4), out_shardings=shardings)(*args)
 
 
 def state_sharding(mesh: Any, state: StepState) -> StepState:
@@ -51,8 +55,14 @@ def state_sharding(mesh: Any, state: StepState) -> StepState:
     return rest.replace(cache=cache_sharding(mesh, state.cache), grammar=grammar)
 
 
-def _empty_state_fn(model: DecoderModel, dtype: Any, max_len: int,
-                    rows: RowParams) -> StepState:
+def _empty_state_fn(model: DecoderModel, dtype: Any, max_len: int, rows: RowParams,
+                    research: Optional[Any] = None, research_args: Optional[Any] = None
+                    ) -> StepState:
+    extra = {}
+    if research is not None:
+        empty = jnp.zeros((rows.bias.shape[0], 1), jnp.int32)
+        extra["research"] = research_lib.initial_state(research, research_args, empty,
+                                                       empty[:, 0], max_len, {})
     slots, vocab = rows.bias.shape
     return StepState(cache=model.init_cache(slots, max_len, dtype),
                      logits=jnp.zeros((slots, vocab), jnp.float32),
@@ -61,10 +71,10 @@ def _empty_state_fn(model: DecoderModel, dtype: Any, max_len: int,
                      counts=jnp.zeros((slots, vocab), jnp.int32),
                      seen=jnp.zeros((slots, vocab), bool), done=jnp.ones((slots,), bool),
                      paused=jnp.zeros((slots,), bool), finish=jnp.zeros((slots,), jnp.int32),
-                     rows=rows)
+                     rows=rows, **extra)
 
 
-_empty_state = jax.jit(_empty_state_fn, static_argnums=(0, 1, 2))
+_empty_state = jax.jit(_empty_state_fn, static_argnums=(0, 1, 2, 4))
 
 
 def keep_tables(fn):

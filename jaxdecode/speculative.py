@@ -77,6 +77,16 @@ min(1, p/q) test is exact for ONE proposal per position; with several, accepting
 independently-tested branches over-represents drafted tokens. Exactness there needs a
 multi-draft rule (SpecInfer's / recursive rejection sampling: test the branches in turn against
 successively updated residuals), not implemented.
+
+Custom processors (`processors=`, jaxdecode/research.py)
+--------------------------------------------------------
+They are part of p: the verifier runs them position by position through the proposed run
+(a `lax.scan`), position i seeing prompt + output + d_1 .. d_i and step + i, each row's
+processor states threaded from one position to the next. After the pass a row keeps the
+states after its last emitted token; those of rejected draft positions are dropped -- rolled
+back like `cache.lengths`. The draft proposes without them (q stays the draft's own processed
+distribution): acceptance min(1, p/q) and the residual keep the output distributed exactly
+as p, whatever q is.
 """
 
 from __future__ import annotations
@@ -90,7 +100,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jaxdecode import constraints, decode, processors, sampling
+from jaxdecode import constraints, decode, processors, research as research_lib, sampling
 from jaxdecode.config import SamplingParams
 from jaxdecode.decode import ERRORS, FAILED_CODES, FINISH_REASONS, GenerateOutput, bucket
 from jaxdecode.model_api import DecoderModel
@@ -222,6 +232,8 @@ class SpecState:
                    cache yet (None: lookup)
     grammar_state: int32[B] automaton state after s (-1 = unconstrained), or None
     grammar:       constraints.GrammarTables shared by all rows, or None
+    research:      research.ResearchState (prompt_length and custom processor states; its ids
+                   are None: the context is built from `hist`), or None
     """
 
     rows: RowParams
@@ -243,6 +255,7 @@ class SpecState:
     lag: Optional[Array] = None
     grammar_state: Optional[Array] = None
     grammar: Optional[Any] = None
+    research: Optional[Any] = None
 
 
 @struct.dataclass
@@ -270,7 +283,9 @@ class RoundOutput:
 
 def spec_round(target: DecoderModel, tparams: Any, draft: Optional[DecoderModel], dparams: Any,
                k: int, ngrams: tuple, s: SpecState, kv_len: Optional[int] = None,
-               top_logprobs: int = 0, num_branches: int = 1) -> tuple[SpecState, RoundOutput]:
+               top_logprobs: int = 0, num_branches: int = 1,
+               research: Optional[research_lib.ResearchConfig] = None
+               ) -> tuple[SpecState, RoundOutput]:
     """One verify round over every live row (the module docstring's algorithm): propose k
     tokens (the draft model, or prompt lookup when `draft` is None), verify them in one target
     forward of k + 1 positions, emit 1..k+1 tokens per row, roll back caches and grammar state.
@@ -281,7 +296,8 @@ def spec_round(target: DecoderModel, tparams: Any, draft: Optional[DecoderModel]
     guarantees every live row's L + k stays below it. `top_logprobs` (static): how many raw
     top log-probabilities to report per position. `num_branches` (static): draft continuations
     per row verified together (the module docstring); above 1 every live row must be greedy
-    (`speculative_generate` and the engine check it)."""
+    (`speculative_generate` and the engine check it). `research` (static): custom processors
+    on the target's distribution (the module docstring)."""
     rows = s.rows
     nb = num_branches
     b, v = s.counts.shape
@@ -302,6 +318,30 @@ def spec_round(target: DecoderModel, tparams: Any, draft: Optional[DecoderModel]
 
     process_each = jax.vmap(process_one, in_axes=(1, 1, 1, 1, 1 if constrained else None),
                             out_axes=1)
+    custom = research is not None and bool(research.processors)  # static
+
+    def process_run(tlogits, counts_all, seen_all, steps_all, path, d):
+        """Custom processors: position i of the run sees s + d_1 .. d_i; each row's states
+        are threaded through the positions. Returns p [B, k+1, V] and the states after each
+        position (leaves [k+1, B, ...])."""
+        hist_d = s.hist.at[jnp.arange(b)[:, None], length[:, None] + jnp.arange(k)].set(
+            d, mode="drop")
+        cols = jnp.arange(s.hist.shape[1])[None, :]
+
+        def one(states, i):
+            ctx = research_lib.ProcessorContext(
+                step=step + i, ids=jnp.where(cols < (length + i)[:, None], hist_d, -1),
+                length=length + i, prompt_length=s.research.prompt_length,
+                counts=counts_all[:, i], key=research_lib.processor_keys(rows.keys, step + i + 1),
+                live=live)
+            bound = research_lib.Bound(research.processors, ctx, states)
+            lp = processors.process(tlogits[:, i], rows, counts_all[:, i], seen_all[:, i],
+                                    steps_all[:, i], (gtables, path[:, i]) if constrained
+                                    else None, bound)
+            return tuple(bound.states), (lp, tuple(bound.states))
+
+        _, (lp, states) = jax.lax.scan(one, s.research.states, jnp.arange(k + 1))
+        return jnp.moveaxis(lp, 0, 1), states
 
     def branched(fn):
         """fn over one branch; with several, vmapped over the leading branch axis of its
@@ -372,15 +412,19 @@ def spec_round(target: DecoderModel, tparams: Any, draft: Optional[DecoderModel]
         steps_all = step[:, None] + jnp.arange(k + 1)[None, :]
         # grammar: position i is masked with the state after d_1 .. d_{i-1}
         path = constraints.state_path(gtables, s.grammar_state, d) if constrained else None
-        lp = process_each(tlogits, counts_all, seen_all, steps_all, path)  # [B, k+1, V]
-        return tlogits, tcache, lp, path, jnp.argmax(lp, -1).astype(jnp.int32)
+        if custom:
+            lp, states = process_run(tlogits, counts_all, seen_all, steps_all, path, d)
+        else:
+            lp, states = process_each(tlogits, counts_all, seen_all, steps_all, path), None
+        return tlogits, tcache, lp, path, jnp.argmax(lp, -1).astype(jnp.int32), states
 
-    tlogits, tcache, lp, path, best = branched(verify)(d)
+    tlogits, tcache, lp, path, best, states = branched(verify)(d)
     if nb > 1:  # greedy: the branch with the longest accepted run (ties: the lowest b)
         runs = jnp.sum(jnp.cumprod((d == best[..., :k]).astype(jnp.int32), -1), -1)  # [nb, B]
         chosen = jnp.argmax(runs, 0)
         d, lq, tlogits, lp, path, best = jax.tree.map(
             lambda x: _pick(x, chosen), (d, lq, tlogits, lp, path, best))
+        states = jax.tree.map(lambda x: _pick(x, chosen, 1), states)
         tcache = _pick_cache(tcache, chosen)
         dcache = None if dcache is None else _pick_cache(dcache, chosen)
 
@@ -464,6 +508,11 @@ def spec_round(target: DecoderModel, tparams: Any, draft: Optional[DecoderModel]
                     proposed=s.proposed + k * nb * live, accepted=s.accepted + accepted,
                     target_tokens=s.target_tokens + (live & (n_emit == j + 1)),
                     iterations=s.iterations + live)
+    if custom:  # the states after the last emitted token; rejected positions' are dropped
+        last = jnp.maximum(n_emit - 1, 0)
+        kept = jax.tree.map(lambda x: x[last, jnp.arange(b)], states)
+        out = out.replace(research=s.research.replace(
+            states=research_lib.where_rows(n_emit > 0, kept, s.research.states)))
     if constrained:  # the state after the last emitted token; ended rows keep theirs
         after = jnp.take_along_axis(g_next, jnp.maximum(n_emit - 1, 0)[:, None], 1)[:, 0]
         out = out.replace(grammar_state=jnp.where(live & ~ended, after, s.grammar_state))
@@ -479,9 +528,9 @@ def spec_round(target: DecoderModel, tparams: Any, draft: Optional[DecoderModel]
     return out, report
 
 
-@functools.partial(jax.jit, static_argnums=(0, 2, 4, 5, 8))
+@functools.partial(jax.jit, static_argnums=(0, 2, 4, 5, 8, 9))
 def _spec_loop(target, tparams, draft, dparams, k: int, ngrams: tuple, init: SpecState,
-               max_iters: Array, num_branches: int) -> SpecState:
+               max_iters: Array, num_branches: int, research=None) -> SpecState:
     """The while-loop driver of `spec_round`: rounds until every row is done (or max_iters).
     The grammar tables are loop constants, outside the carry."""
     tables = init.grammar
@@ -489,7 +538,7 @@ def _spec_loop(target, tparams, draft, dparams, k: int, ngrams: tuple, init: Spe
     def body(carry):
         it, s = carry
         s, _ = spec_round(target, tparams, draft, dparams, k, ngrams, s.replace(grammar=tables),
-                          num_branches=num_branches)
+                          num_branches=num_branches, research=research)
         return it + 1, s.replace(grammar=None)
 
     _, out = jax.lax.while_loop(lambda c: ~jnp.all(c[1].done) & (c[0] < max_iters), body,
@@ -521,7 +570,8 @@ def speculative_generate(target: DecoderModel, target_params: Any,
                          sampling: SamplingParams | Sequence[SamplingParams], *, k: int = 4,
                          key: Optional[Array] = None, num_branches: int = 1,
                          ngram_max: int = 3, ngram_min: int = 1,
-                         tokenizer: Any = None) -> SpeculativeOutput:
+                         tokenizer: Any = None, processors: Sequence[Any] = ()
+                         ) -> SpeculativeOutput:
     """Speculative decoding (DESIGN.md `jd.speculative_generate`); see the module docstring.
 
     draft: a DecoderModel with the target's vocabulary, or "prompt_lookup" (draft_params is then
@@ -530,6 +580,8 @@ def speculative_generate(target: DecoderModel, target_params: Any,
     `generate`; `tokenizer` is needed when a row has a response_format (as in `generate`).
     `num_branches` > 1: that many draft continuations per row verified together, greedy rows
     only (a sampled row raises ValueError; the module docstring's Branches section).
+    `processors`: custom jd.LogitProcessor applied to the target's distribution (the module
+    docstring); their final states come back in `processor_states`.
     Returns a SpeculativeOutput (GenerateOutput + `stats`)."""
     prompt_ids = token_rows(prompt_ids)
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
@@ -548,8 +600,9 @@ def speculative_generate(target: DecoderModel, target_params: Any,
     for sp in rows_in:
         if isinstance(sp, SamplingParams):  # decode.prepare names any other bad value
             check_branches_greedy(num_branches, sp)
+    setup = research_lib.configure(target, processors=processors)
     state, rows_sp, n = decode.prepare(target, target_params, prompt_ids, sampling, None, key,
-                                       tokenizer=tokenizer)
+                                       tokenizer=tokenizer, research=setup)
     b = len(rows_sp)
     index = np.repeat(np.arange(len(rows_in)), [s.n for s in rows_in]) if rows_in else None
     prompts = [list(prompt_ids[i]) for i in index]
@@ -566,7 +619,8 @@ def speculative_generate(target: DecoderModel, target_params: Any,
                      step=zeros, counts=state.counts, seen=state.seen,
                      done=jnp.zeros((b,), bool), paused=jnp.zeros((b,), bool), finish=zeros,
                      proposed=zeros, accepted=zeros, target_tokens=zeros, iterations=zeros,
-                     grammar_state=state.grammar_state, grammar=state.grammar)
+                     grammar_state=state.grammar_state, grammar=state.grammar,
+                     research=None if setup is None else state.research.replace(ids=None))
     if not lookup:
         uniq = [list(p) for p in prompt_ids]
         t = bucket(max(len(p) for p in uniq), target.config.max_len)
@@ -584,7 +638,7 @@ def speculative_generate(target: DecoderModel, target_params: Any,
     ngrams = tuple(range(ngram_max, ngram_min - 1, -1))
     c = _spec_loop(target, target_params, None if lookup else draft,
                    None if lookup else draft_params, k, ngrams, init, jnp.int32(n + 1),
-                   num_branches)
+                   num_branches, None if setup is None else setup.config)
 
     finish = np.asarray(c.finish)
     step = np.asarray(c.step)
@@ -601,7 +655,10 @@ def speculative_generate(target: DecoderModel, target_params: Any,
              for name in ("proposed", "accepted", "target_tokens", "iterations")}
     stats["mean_accepted_length"] = float(
         (stats["accepted"].sum() + stats["target_tokens"].sum()) / max(1, stats["iterations"].sum()))
+    custom = {} if setup is None else dict(
+        processor_order=setup.processor_order,
+        processor_states=research_lib.final_states(setup.config, c.research.states))
     return SpeculativeOutput(
         token_ids=token_ids, lengths=lengths,
         finish_reasons=[FINISH_REASONS[int(x)] for x in finish],
-        errors=[ERRORS.get(int(x)) for x in finish], logprobs=logprobs, stats=stats)
+        errors=[ERRORS.get(int(x)) for x in finish], logprobs=logprobs, stats=stats, **custom)

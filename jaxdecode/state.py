@@ -109,6 +109,8 @@ class StepState:
                 it, speculative decoding rolls it back with `cache.lengths`.
     grammar:    constraints.GrammarTables shared by all rows (not per row: vmap in_axes=None),
                 or None. See jaxdecode/constraints/__init__.py.
+    research:   research.ResearchState (custom processor states, ids, captured activations;
+                every leaf per row), or None when no research option is used.
     """
 
     cache: KVCache
@@ -124,6 +126,8 @@ class StepState:
     # -- constraints (jaxdecode/constraints); None = no constrained row, the step is unchanged --
     grammar_state: Optional[Array] = None
     grammar: Optional[Any] = None
+    # -- research (jaxdecode/research.py); None = no research option, the step is unchanged --
+    research: Optional[Any] = None
 
 
 @struct.dataclass
@@ -132,6 +136,10 @@ class StepOutput:
 
     token: int32[B] y_t (-1 for rows that were already done); finish: int32[B] code set this step;
     logprob: f32[B] raw model log-probability of y_t; top_ids/top_logprobs: [B, K] (K may be 0).
+    Research options only (jaxdecode/research.py; None otherwise): scores f32[B, V] the processed
+    log-probabilities selection used and logits f32[B, V] the raw logits (each (values, ids)
+    [B, K] with a top K); hidden {point: f32[B, hidden]} at the position whose logits chose y_t;
+    observed: one pytree per step observer.
     """
 
     token: Array
@@ -139,3 +147,7 @@ class StepOutput:
     logprob: Array
     top_ids: Array
     top_logprobs: Array
+    scores: Optional[Any] = None
+    logits: Optional[Any] = None
+    hidden: Optional[Any] = None
+    observed: Optional[Any] = None

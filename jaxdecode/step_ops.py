@@ -207,6 +207,15 @@ class Context:
     replicate_outputs: bool = False
     tokenizer: Any = None  # BEAM: compiles a response_format
     spec: Optional[Any] = None  # a speculative_engine.SpeculativeRunner: steps are its rounds
+    research: Optional[Any] = None  # research.Setup: the engine's custom processors
+
+
+def _research(ctx: Context) -> dict:
+    """The keywords of prefill / decode steps for the engine's custom processors (none
+    without them, so the default calls stay exactly as they are)."""
+    if ctx.research is None:
+        return {}
+    return {"research": ctx.research.config, "research_args": ctx.research.args}
 
 
 def apply(ctx: Context, state: Optional[StepState], op: StepOp) -> tuple[Optional[StepState], Any]:
@@ -219,14 +228,14 @@ def apply(ctx: Context, state: Optional[StepState], op: StepOp) -> tuple[Optiona
         if ctx.spec is not None:
             return ctx.spec.empty_state(ctx.max_slots, ctx.max_len, ctx.eos_token_ids), None
         return slots.empty_state(ctx.model, ctx.params, ctx.max_slots, ctx.max_len,
-                                 ctx.eos_token_ids, mesh=ctx.mesh), None
+                                 ctx.eos_token_ids, mesh=ctx.mesh, **_research(ctx)), None
     if op.code == ADMIT:
         rows = RowParams(**{k[5:]: v for k, v in a.items() if k.startswith("rows.")})
         if ctx.spec is not None:
             prefilled = ctx.spec.prefill(a["tokens"], a["lengths"], rows, ctx.max_len)
         else:
             prefilled = decode.prefill(ctx.model, ctx.params, a["tokens"], a["lengths"], rows,
-                                       ctx.max_len)
+                                       ctx.max_len, **_research(ctx))
         if "grammar_state" in a:
             prefilled = prefilled.replace(grammar_state=a["grammar_state"])
         if "resume.step" in a:
@@ -251,7 +260,8 @@ def apply(ctx: Context, state: Optional[StepState], op: StepOp) -> tuple[Optiona
         if ctx.spec is not None:
             return ctx.spec.step(state, op.scalar("kv_len"), op.scalar("top_logprobs"))
         state, out = decode.decode_step_jit(ctx.model, ctx.params, state,
-                                            op.scalar("top_logprobs"), op.scalar("kv_len"))
+                                            op.scalar("top_logprobs"), op.scalar("kv_len"),
+                                            **_research(ctx))
         if ctx.replicate_outputs and ctx.mesh is not None:
             out = _replicated(ctx.mesh, out)
         return state, out
@@ -261,8 +271,9 @@ def apply(ctx: Context, state: Optional[StepState], op: StepOp) -> tuple[Optiona
         settings = json.loads(a["settings"].tobytes())
         settings["eos_token_ids"] = tuple(settings["eos_token_ids"])
         prompts = [t[:n].tolist() for t, n in zip(a["tokens"], a["lengths"])]
+        processors = () if ctx.research is None else ctx.research.config.processors
         return state, beam_search(ctx.model, ctx.params, prompts, num_beams=a["widths"].tolist(),
-                                  tokenizer=ctx.tokenizer, **settings)
+                                  tokenizer=ctx.tokenizer, processors=processors, **settings)
     if op.code == WARMUP:
         return state, warmup_shapes(ctx, op.scalar("max_prompt_len"), op.scalar("top_logprobs"))
     raise ValueError(f"op: {op.name} is not applied to a state (the follower loop ends on it)")
@@ -278,7 +289,7 @@ def warmup_shapes(ctx: Context, max_prompt_len: int, top_logprobs: int = 0) -> i
         return _warmup_speculative(ctx, max_prompt_len, top_logprobs, before)
     model, params = ctx.model, ctx.params
     state = slots.empty_state(model, params, ctx.max_slots, ctx.max_len, ctx.eos_token_ids,
-                              mesh=ctx.mesh)
+                              mesh=ctx.mesh, **_research(ctx))
     t_buckets = sorted({decode.bucket(n, ctx.max_len) for n in
                         range(1, min(max_prompt_len, ctx.max_len - 1) + 1)})
     n = 1
@@ -287,7 +298,7 @@ def warmup_shapes(ctx: Context, max_prompt_len: int, top_logprobs: int = 0) -> i
                                ctx.eos_token_ids, keys=np.zeros((n, 2), np.uint32))
         for t in t_buckets:
             row = decode.prefill(model, params, np.zeros((n, t), np.int32),
-                                 np.ones((n,), np.int32), rows, ctx.max_len)
+                                 np.ones((n,), np.int32), rows, ctx.max_len, **_research(ctx))
             state = slots.insert(state, row, np.full((n,), ctx.max_slots, np.int32))
         if n >= ctx.max_slots:
             break
@@ -297,7 +308,7 @@ def warmup_shapes(ctx: Context, max_prompt_len: int, top_logprobs: int = 0) -> i
     kv = min(KV_BUCKET_MIN, ctx.max_len)
     while True:
         for k in (0, top_logprobs):
-            state, out = decode.decode_step_jit(model, params, state, k, kv)
+            state, out = decode.decode_step_jit(model, params, state, k, kv, **_research(ctx))
             if ctx.replicate_outputs and ctx.mesh is not None:
                 out = _replicated(ctx.mesh, out)
         if kv >= ctx.max_len:

@@ -88,13 +88,16 @@ class GPT2(L.CachedDecoder):
 
     # -- internals ----------------------------------------------------------------------------
 
-    def _run(self, params: dict, tokens: Array, positions: Array, kv_source) -> Array:
+    def _run(self, params: dict, tokens: Array, positions: Array, kv_source,
+             hook=None) -> Array:
         c = self.config
         b, t = tokens.shape
         act = ACTIVATIONS[c.activation]
         eps = c.layer_norm_eps
         # Padding may carry any position; clip so the lookup stays in the table.
         x = params["embed"][tokens] + jnp.take(params["pos_embed"], positions, axis=0, mode="clip")
+        if hook is not None:  # hook points (model_api.hook_points)
+            x = hook("embed", x)
         for i, p in enumerate(params["layers"]):
             h = L.layer_norm(x, p["attn_norm"], p["attn_norm_bias"], eps)
             q = (h @ p["q"] + p["q_bias"]).reshape(b, t, c.num_heads, c.head_dim)
@@ -109,6 +112,10 @@ class GPT2(L.CachedDecoder):
             x = x + attn.reshape(b, t, -1) @ p["o"] + p["o_bias"]
             h = L.layer_norm(x, p["mlp_norm"], p["mlp_norm_bias"], eps)
             x = x + act(h @ p["fc"] + p["fc_bias"]) @ p["proj"] + p["proj_bias"]
+            if hook is not None:
+                x = hook(f"resid.{i}", x)
         x = L.layer_norm(x, params["final_norm"], params["final_norm_bias"], eps)
+        if hook is not None:
+            x = hook("final_norm", x)
         head = params["embed"].T if c.tie_word_embeddings else params["lm_head"]
         return jnp.dot(x, head, preferred_element_type=jnp.float32)

@@ -127,18 +127,21 @@ def attention(q: Array, k: Array, v: Array, q_pos: Array, k_pos: Array,
 
 class CachedDecoder:
     """The `DecoderModel` protocol methods every family shares. A family is a frozen dataclass
-    with a `config` and `_run(params, tokens, positions, kv_source) -> logits`, where
-    `kv_source(layer, k, v)` returns the keys, values and key positions that layer attends to."""
+    with a `config` and `_run(params, tokens, positions, kv_source, hook) -> logits`, where
+    `kv_source(layer, k, v)` returns the keys, values and key positions that layer attends to
+    and `hook` is None or called as `x = hook(name, x)` at each of `model_api.hook_points`."""
 
     def init_cache(self, batch: int, max_len: int, dtype: Any = jnp.float32) -> KVCache:
         c = self.config
         return KVCache.zeros(c.num_layers, batch, max_len, c.num_kv_heads, c.head_dim, dtype)
 
     def forward(self, params: dict, tokens: Array, positions: Array, cache: KVCache, *,
-                lengths: Array, kv_len: Optional[int] = None) -> tuple[Array, KVCache]:
+                lengths: Array, kv_len: Optional[int] = None,
+                hook: Optional[Any] = None) -> tuple[Array, KVCache]:
         """The protocol's forward: each layer's K/V is written at its absolute positions
         (padding dropped); `kv_len` (static, optional) limits attention to the first kv_len
-        cache positions when the caller knows every row is shorter."""
+        cache positions when the caller knows every row is shorter; `hook(name, x) -> x` is
+        called at each of `model_api.hook_points` (jaxdecode/hooks.py)."""
         write_pos = write_positions(positions, lengths, cache.max_len)
         kv_len = cache.max_len if kv_len is None else min(kv_len, cache.max_len)
         k_pos = jnp.arange(kv_len, dtype=jnp.int32)
@@ -149,13 +152,14 @@ class CachedDecoder:
             cache = write_kv(cache, i, k, v, write_pos)
             return cache.k[i, :, :, :kv_len], cache.v[i, :, :, :kv_len], k_pos
 
-        logits = self._run(params, tokens, positions, kv_source)
+        logits = self._run(params, tokens, positions, kv_source, hook)
         return logits, cache.replace(lengths=new_lengths)
 
-    def logits(self, params: dict, tokens: Array, positions: Optional[Array] = None) -> Array:
+    def logits(self, params: dict, tokens: Array, positions: Optional[Array] = None,
+               hook: Optional[Any] = None) -> Array:
         """Full causal forward without a cache (training and full recompute)."""
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32),
                                          tokens.shape)
         return self._run(params, tokens, positions,
-                         lambda i, k, v: (heads_major(k), heads_major(v), positions))
+                         lambda i, k, v: (heads_major(k), heads_major(v), positions), hook)

@@ -77,11 +77,14 @@ class Llama(L.CachedDecoder):
 
     # -- internals ----------------------------------------------------------------------------
 
-    def _run(self, params: dict, tokens: Array, positions: Array, kv_source) -> Array:
+    def _run(self, params: dict, tokens: Array, positions: Array, kv_source,
+             hook=None) -> Array:
         c = self.config
         b, t = tokens.shape
         inv_freq = L.rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling_dict)
         x = params["embed"][tokens]
+        if hook is not None:  # hook points (model_api.hook_points)
+            x = hook("embed", x)
         for i, p in enumerate(params["layers"]):
             h = L.rms_norm(x, p["attn_norm"], c.rms_norm_eps)
             q, k, v = h @ p["q"], h @ p["k"], h @ p["v"]
@@ -96,6 +99,10 @@ class Llama(L.CachedDecoder):
             x = x + attn.reshape(b, t, -1) @ p["o"]
             h = L.rms_norm(x, p["mlp_norm"], c.rms_norm_eps)
             x = x + (jax.nn.silu(h @ p["gate"]) * (h @ p["up"])) @ p["down"]
+            if hook is not None:
+                x = hook(f"resid.{i}", x)
         x = L.rms_norm(x, params["final_norm"], c.rms_norm_eps)
+        if hook is not None:
+            x = hook("final_norm", x)
         head = params["embed"].T if c.tie_word_embeddings else params["lm_head"]
         return jnp.dot(x, head, preferred_element_type=jnp.float32)

@@ -22,7 +22,8 @@ ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK_DIR = ROOT / "notebooks"
 EXPECTED = [
     "01_quickstart", "02_logit_processors", "03_beam_vs_sampling", "04_speculative",
-    "05_structured_output", "06_replay", "07_consistency",
+    "05_structured_output", "06_replay", "07_consistency", "08_watermark",
+    "09_guidance_and_steering",
 ]
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
 TIMEOUT_S = 300  # per cell; each notebook takes well under a minute on a CPU

@@ -9,7 +9,8 @@ import json
 import os
 import sys
 
-from jaxdecode.cli.bench import host, report as report_mod, search, structured, throughput
+from jaxdecode.cli.bench import host, report as report_mod, research, search, structured
+from jaxdecode.cli.bench import throughput
 from jaxdecode.cli.bench.configs import BENCH_CONFIGS, bench_model, host_model
 from jaxdecode.cli.bench.timing import BenchConfig
 
@@ -39,6 +40,9 @@ def bench_arguments(b) -> None:
                    help="also beam search (width 4 vs greedy) and speculative decoding on the "
                         "demo model and its draft (k = 2, 4, 6 and prompt lookup, T = 0, a "
                         "code-editing prompt) against plain decoding")
+    b.add_argument("--research", action="store_true",
+                   help="also the decode step with one trivial custom processor and with the "
+                        "capture of one layer's hidden state, against none (issue #16)")
     b.add_argument("--json", help="write the report as JSON")
     b.add_argument("--report", metavar="DIR",
                    help="every section (HF side by side, time to first token, host cost, "
@@ -113,7 +117,12 @@ def _decode_sections(args, cfg: BenchConfig) -> tuple[dict, list]:
                                              repeats=cfg.repeats)
         if args.report or args.speculative:
             report["beam"] = search.time_beam_search(model, params, cfg, num_beams=4)
-    return report, [report_mod.format_table(report)]
+        text = [report_mod.format_table(report)]
+        if args.research:
+            report["research"] = research.time_research(model, params, cfg.batches,
+                                                        repeats=max(cfg.repeats, 5))
+            text.append(research.format_research_table(report["research"]))
+    return report, text
 
 
 def _demo_sections(args, cfg: BenchConfig, report: dict, text: list) -> None:

@@ -3,16 +3,15 @@ against none, and the index compile time per schema."""
 
 from __future__ import annotations
 
-import statistics
+import functools
 import time
 from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 
-from jaxdecode.cli.bench.timing import machine, median_time
+from jaxdecode.cli.bench.timing import machine, median_time, step_times
 from jaxdecode.config import SamplingParams
-from jaxdecode.decode import compilation_count
 
 
 CONSTRAINT_SCHEMAS = {
@@ -91,29 +90,10 @@ def time_constraints(model, params, tokenizer, batches: Sequence[int] = (1, 16),
         states["idle"] = states["idle"].replace(
             grammar_state=jnp.full((batch,), -1, jnp.int32))
 
-        def chain(state) -> float:  # seconds per step (the state copy is not timed)
-            state = jax.block_until_ready(jax.tree.map(jnp.copy, state))
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                state, out = decode_step_jit(model, params, state, 0)
-            jax.block_until_ready(out.token)
-            return (time.perf_counter() - t0) / steps
-
-        c0 = compilation_count()
-        for mode in modes:  # warm-up (compiles)
-            chain(states[mode])
-        c1 = compilation_count()
-        times: dict = {m: [] for m in modes}
-        for _ in range(repeats):
-            for mode in modes:
-                times[mode].append(chain(states[mode]))
-        row = {"batch": batch, "compiles_warmup": c1 - c0,
-               "compiles_after_warmup": compilation_count() - c1}
-        for mode in modes:
-            row[f"{mode}_step_ms"] = statistics.median(times[mode]) * 1e3
-            row[f"{mode}_step_ms_min"] = min(times[mode]) * 1e3  # least disturbed by load
+        step = functools.partial(decode_step_jit, model, params, top_logprobs=0)
+        row = {"batch": batch, **step_times({m: (step, states[m]) for m in modes}, steps,
+                                            repeats)}
         for mode in modes[1:]:
-            row[f"{mode}_overhead"] = row[f"{mode}_step_ms"] / row["none_step_ms"] - 1
             # the grammar work alone (mask + next state), jitted, on this batch's tables/states
             st = states[mode]
             logits = jax.random.normal(jax.random.key(0), (batch, cfg.vocab_size), jnp.float32)

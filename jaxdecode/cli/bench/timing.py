@@ -77,3 +77,37 @@ def prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return rng.integers(3, vocab, size=(batch, length)).tolist()
 
+
+
+def step_times(runs: dict, steps: int, repeats: int) -> dict:
+    """Decode-step time per mode: `runs[mode] = (step, state)`, `step(state) -> (state, out)`
+    jitted; `steps` chained steps timed (the state copy is not), modes measured round-robin
+    in the same process so that machine load hits every mode alike, after one warm-up round.
+    Keys: <mode>_step_ms (median), <mode>_step_ms_min (least disturbed by load),
+    <mode>_overhead vs the first mode, compiles_warmup, compiles_after_warmup."""
+    from jaxdecode.decode import compilation_count
+
+    def chain(step, state) -> float:  # seconds per step
+        state = jax.block_until_ready(jax.tree.map(jnp.copy, state))
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            state, out = step(state)
+        jax.block_until_ready(out.token)
+        return (time.perf_counter() - t0) / steps
+
+    c0 = compilation_count()
+    for step, state in runs.values():  # warm-up (compiles)
+        chain(step, state)
+    c1 = compilation_count()
+    times: dict = {m: [] for m in runs}
+    for _ in range(repeats):
+        for mode, (step, state) in runs.items():
+            times[mode].append(chain(step, state))
+    row = {"compiles_warmup": c1 - c0, "compiles_after_warmup": compilation_count() - c1}
+    for mode in runs:
+        row[f"{mode}_step_ms"] = statistics.median(times[mode]) * 1e3
+        row[f"{mode}_step_ms_min"] = min(times[mode]) * 1e3
+    base = next(iter(runs))
+    for mode in list(runs)[1:]:
+        row[f"{mode}_overhead"] = row[f"{mode}_step_ms"] / row[f"{base}_step_ms"] - 1
+    return row
