@@ -6,12 +6,17 @@ that need the engine (`EngineLimits`):
 
 - max_tokens is capped to the room the prompt leaves in `max_len` (the engine's effective
   value), and min_tokens must fit under that cap -- checked here, never inside the engine;
-- num_beams <= `max_num_beams` and n <= `max_n`;
-- KV budget: a beam request's search holds num_beams rows of `beam_positions` cache positions
-  each, allocated beside the slots; it may hold at most as many as the slots do
-  (max_slots x max_len), so `num_beams: 100000` is refused here instead of failing the device
-  with an out-of-memory error. (Sampled n runs as n slot requests whose KV is preallocated,
-  so n x length needs no extra memory: n waits for slots, bounded by `max_n` and the queue.)
+- num_beams <= `max_num_beams` and n <= `max_n`.
+
+KV budget (`EngineLimits.kv_positions`): the engine is sized for max(max_slots, max_num_beams)
+x max_len cache positions -- its slots, or one beam search of the widest width over the whole
+context. A beam search allocates num_beams rows of `beam_positions` each (the context rounded
+up to its buckets, so at most about twice prompt + max_tokens) beside the slots; with num_beams
+<= max_num_beams and prompt + max_tokens <= max_len every request fits the budget, so
+`num_beams: 100000` is refused here instead of failing the device with an out-of-memory error,
+and the beam lane forms its calls within the budget (rows beyond it wait for the next call).
+Sampled n runs as n slot requests over the preallocated slot KV, so n x length needs no extra
+memory: n waits for free slots, bounded by `max_n` and the queue.
 
 Every violation is `ValueError("<field>: ...")`.
 """
@@ -43,8 +48,8 @@ class EngineLimits:
 
     @property
     def kv_positions(self) -> int:
-        """The KV budget: cache positions of all slots together."""
-        return self.max_slots * self.max_len
+        """The KV budget (module docstring)."""
+        return max(self.max_slots, self.max_num_beams) * self.max_len
 
 
 def beam_positions(limits: EngineLimits, num_beams: int, longest_prompt: int,
@@ -55,7 +60,7 @@ def beam_positions(limits: EngineLimits, num_beams: int, longest_prompt: int,
 
 def check(sp: SamplingParams, prompt_len: int, limits: EngineLimits) -> SamplingParams:
     """`sp` with max_tokens capped to the context, after the engine limits above (ValueError
-    naming the field otherwise)."""
+    naming the field otherwise): within them, a beam search fits the KV budget."""
     if sp.num_beams > limits.max_num_beams:
         raise ValueError(f"num_beams: at most {limits.max_num_beams} (this engine's "
                          f"max_num_beams), got {sp.num_beams}")
@@ -68,11 +73,4 @@ def check(sp: SamplingParams, prompt_len: int, limits: EngineLimits) -> Sampling
                          f"max_tokens {sp.max_tokens} capped to the {room} positions the "
                          f"{prompt_len}-token prompt leaves in max_len {limits.max_len}), "
                          f"got {sp.min_tokens}")
-    if sp.num_beams > 1:
-        need = beam_positions(limits, sp.num_beams, prompt_len, max_new)
-        if need > limits.kv_positions:
-            raise ValueError(
-                f"num_beams: {sp.num_beams} beams of this prompt and max_tokens need {need} KV "
-                f"cache positions, more than this engine's budget of {limits.kv_positions} "
-                f"(max_slots x max_len); lower num_beams or max_tokens")
     return sp if max_new == sp.max_tokens else dataclasses.replace(sp, max_tokens=max_new)

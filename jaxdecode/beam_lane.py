@@ -11,9 +11,9 @@ BEAM step op through `LLM._device`, so multi-host followers make the same call):
   `run_record` is a row of its own and takes beam `index` of `n` (rank 0 for `submit`).
 - Rows queued together that share the call's scalar settings -- n, early_stopping,
   length_penalty, max new tokens, min new tokens, the ending ids and the response_format --
-  run as one call (at most `max_slots` rows, and no more KV cache positions than the slots
-  hold: `admission.beam_positions`, the budget every single request was checked against at
-  submission); `num_beams` may differ per row (beam_search pads to the widest width), so
+  run as one call (at most `max_slots` rows, and within the engine's KV budget,
+  `admission.EngineLimits.kv_positions`, counting `admission.beam_positions` per row; a row
+  alone always runs); `num_beams` may differ per row (beam_search pads to the widest width), so
   widths do not split calls. `beam_search` compiles per width, output
   bucket and prompt bucket; max_new_tokens and the other numbers are runtime values.
 - Latency trade-off: the call is one device program (the whole search, `lax.while_loop`), so

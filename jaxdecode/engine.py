@@ -53,7 +53,10 @@ at construction and apply to every request, slot steps and beam calls alike; eac
 carries its own processor states, started from `init_state` at admission. They never come
 over HTTP (the server runs no user code). Not combined with `speculative=` (use
 `jd.speculative_generate(processors=...)`) nor with `save_request` / `restore_request`.
-Records name them (`processors`), and `jd.replay` reports a difference.
+Records name them (`processors`), and `jd.replay` reports a difference. A request rebuilt
+after a failed step (`_recover`) sees its own prompt length and step again, but a stateful
+processor's state restarts from `init_state` (its `engine.resumed` event says so): its tokens
+from there on may differ from an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -301,6 +304,7 @@ class LLM:
             self._spec = speculative_engine.SpeculativeRunner(config, model, params)
         # custom processors (jaxdecode/research.py): fixed for the engine's life
         self._research = research.configure(model, processors=processors)
+        self._stateful_processors = any(p.stateful for p in processors or ())
         if self._research is not None and speculative is not None:
             raise ValueError("processors: not supported together with speculative= in the "
                              "engine (jd.speculative_generate takes processors)")
@@ -738,7 +742,12 @@ class LLM:
                 return
             self._queue = collections.deque(r for r in self._queue if not beam_lane.is_beam(r))
             self._cond.notify_all()
-        beam_lane.run(self, beams)
+        try:
+            beam_lane.run(self, beams)  # isolates the rows behind a failed call itself
+        except Exception as exc:  # anything else: the taken requests never hang
+            logger.exception("beam lane failed")
+            for r in beams:
+                self._fail(r, ErrorCode.MODEL_ERROR, f"{type(exc).__name__}: {exc}")
 
     def _admit(self) -> None:
         free = [slot for slot, r in enumerate(self._slots) if r is None]
@@ -760,7 +769,8 @@ class LLM:
             self._prefill_into(fresh, free[:len(fresh)])
             for r in fresh:
                 if not r.lifecycle.try_transition(RequestState.DECODING):
-                    r.lifecycle.record("engine.resumed", selected=r.selected)
+                    r.lifecycle.record("engine.resumed", selected=r.selected,
+                                       processor_states_reset=self._stateful_processors)
         self._admitting = []
 
     def _prefill_into(self, batch: list, free: list) -> None:
@@ -776,16 +786,19 @@ class LLM:
         targets = np.full((n,), self.max_slots, np.int32)  # padding rows are dropped
         sampling, keys = [SamplingParams()] * n, np.zeros((n, 2), np.uint32)
         resume = None
-        if any(r.token_ids for r in batch):
+        if any(r.token_ids for r in batch):  # step, counts, last token, prompt length
             resume = (np.zeros((n,), np.int32), np.zeros((n, self.model.config.vocab_size),
-                                                          np.int32), np.full((n,), -1, np.int32))
+                                                          np.int32), np.full((n,), -1, np.int32),
+                      np.ones((n,), np.int32))
         for i, (r, ids, slot) in enumerate(zip(batch, inputs, free)):
             tokens[i, :len(ids)] = ids
             lengths[i], targets[i], keys[i] = len(ids), slot, r.key_data
             sampling[i] = r.device_sampling
-            if resume is not None and r.token_ids:
-                resume[0][i], resume[2][i] = len(r.token_ids), r.token_ids[-1]
-                np.add.at(resume[1][i], r.token_ids, 1)
+            if resume is not None:
+                resume[3][i] = len(r.prompt_ids)
+                if r.token_ids:
+                    resume[0][i], resume[2][i] = len(r.token_ids), r.token_ids[-1]
+                    np.add.at(resume[1][i], r.token_ids, 1)
         rows = RowParams.build(sampling, self.model.config.vocab_size, self.eos_token_ids,
                                keys=keys)
         initial, states = self._grammar_tables(batch), None

@@ -98,14 +98,16 @@ def admit(tokens: np.ndarray, lengths: np.ndarray, targets: np.ndarray, rows: Ro
           resume: Optional[tuple[np.ndarray, np.ndarray, np.ndarray]] = None) -> StepOp:
     """Prefill tokens int32[n, T] (lengths int32[n]) and scatter row i into slot targets[i]
     (max_slots drops a padding row); rows: RowParams of numpy arrays. `resume` = (step int32[n],
-    counts int32[n, V], last token int32[n]) for rows whose tokens end with output they already
-    selected (`LLM._recover`): the row continues at that step with those penalty counts."""
+    counts int32[n, V], last token int32[n], prompt length int32[n]) for rows whose tokens end
+    with output they already selected (`LLM._recover`): the row continues at that step with
+    those penalty counts (custom processors see its own prompt length)."""
     arrays = {"tokens": tokens, "lengths": lengths, "targets": targets}
     arrays.update({"rows." + k: np.asarray(v) for k, v in vars(rows).items()})
     if grammar_state is not None:
         arrays["grammar_state"] = grammar_state
     if resume is not None:
-        arrays.update(zip(("resume.step", "resume.counts", "resume.last_token"), resume))
+        arrays.update(zip(("resume.step", "resume.counts", "resume.last_token",
+                           "resume.prompt_length"), resume))
     return StepOp(ADMIT, arrays)
 
 
@@ -242,6 +244,9 @@ def apply(ctx: Context, state: Optional[StepState], op: StepOp) -> tuple[Optiona
             resumed = {"step": a["resume.step"], "counts": a["resume.counts"]}
             if isinstance(prefilled, StepState):  # a SpecState keeps its history instead
                 resumed["last_token"] = a["resume.last_token"]
+            if prefilled.research is not None:  # the prompt ends where the output began
+                resumed["research"] = prefilled.research.replace(
+                    prompt_length=a["resume.prompt_length"])
             prefilled = prefilled.replace(**resumed)
         return _slot_ops(ctx).insert(state, prefilled, a["targets"]), None
     if op.code == RESTORE:

@@ -135,3 +135,25 @@ def test_fault_over_http_the_culprit_gets_500_the_streams_their_text_health_200(
         assert not any("error" in c for c in chunks)
         assert "".join(c["choices"][0]["text"] for c in chunks) == a["choices"][0]["text"]
     assert health.status_code == 200 and health.json()["status"] == "ok"
+
+
+def _by_prompt_position(logits, ctx):
+    """A stateless custom processor that depends on the prompt length and the step."""
+    import jax.numpy as jnp
+
+    favoured = (ctx.prompt_length * 3 + ctx.step) % 16
+    return logits + 4.0 * (jnp.arange(logits.shape[-1])[None, :] == favoured[:, None])
+
+
+def test_fault_a_resumed_request_sees_its_own_prompt_length_in_custom_processors(model, tok):
+    processors = [jd.LogitProcessor(_by_prompt_position, position="first")]
+    want = reference(model, tok, processors=processors)
+    with jd.LLM(model, {}, tok, max_slots=4, max_len=64, processors=processors) as llm:
+        handles = [llm.submit(p, sp) for p, sp in zip(PROMPTS, PARAMS)]
+        bad = llm.submit([4, CHAIN[0]], BAD)
+        check_culprit(bad.result(30))
+        got = [h.result(30) for h in handles]
+    check_bystanders(got, want)
+    resumed = [e for e in got[0].events if e.kind == "engine.resumed"]
+    assert resumed and resumed[0].data == {"selected": resumed[0].data["selected"],
+                                           "processor_states_reset": False}

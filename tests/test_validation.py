@@ -166,7 +166,6 @@ BAD_SUBMITS = [
     (dict(top_k=V + 1), "top_k"), (dict(logit_bias={V: 1.0}), "logit_bias"),
     (dict(stop_token_ids=[V]), "stop_token_ids"), (dict(num_beams=5), "num_beams"),
     (dict(num_beams=100000), "num_beams"),
-    (dict(num_beams=4, max_tokens=120), "num_beams"),  # 4 x 256 positions > 2 x 128
     (dict(max_tokens=5000, min_tokens=4000), "min_tokens"),
     (dict(max_tokens=200, min_tokens=126), "min_tokens"),  # 125 positions left by 3 tokens
     (dict(response_format={"type": "regex", "pattern": "a{2147483648}"}), "response_format"),
@@ -203,3 +202,14 @@ def test_engine_options_are_validated():
                           (dict(max_constraint_states=-1), "max_constraint_states")):
         with pytest.raises(ValueError, match=f"^{field}: "):
             jd.LLM(model, {}, byte_tokenizer(), max_len=128, **kwargs)
+
+
+def test_engine_beam_calls_are_formed_within_the_kv_budget(llm):
+    """Budget: max(max_slots 2, max_num_beams 4) x 128 = 512 positions. Width 4 with 20 new
+    tokens allocates 4 x 64 per row (two rows per call); with 60, 4 x 128 (one per call)."""
+    assert llm.limits.kv_positions == 512
+    for max_tokens, rows in ((20, 2), (60, 1)):
+        out = llm.generate(["The", "A"], jd.SamplingParams(num_beams=4, max_tokens=max_tokens))
+        started = [e for c in out for e in c.events if e.kind == "beam.started"]
+        assert {e.data["rows"] for e in started} == {rows}
+        assert all(c.finish_reason is not None for c in out)

@@ -145,11 +145,15 @@ class WorkerPool:
             if "incompatible" in msg:
                 fail(f"the pattern cannot be matched with this tokenizer's vocabulary ({msg})")
             fail(f"outlines-core cannot compile the pattern: {msg}")
-        self.counts["compiled"] += 1
+        self._count("compiled")
         return answer[1]
 
+    def _count(self, name: str) -> None:
+        with self._cond:
+            self.counts[name] += 1
+
     def _refuse(self, reason: str, budget: CompileBudget) -> None:
-        self.counts[reason] += 1
+        self._count(reason)
         if reason == "timeout":
             fail(f"compiling the constraint took longer than {budget.seconds:g} s "
                  "(max_constraint_compile_s); simplify it")
@@ -178,7 +182,7 @@ class WorkerPool:
                 self._busy -= 1
                 self._cond.notify_all()
             raise
-        self.counts["started"] += 1
+        self._count("started")
         return worker
 
     def _release(self, worker: _Worker, healthy: bool) -> None:
