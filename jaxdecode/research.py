@@ -77,7 +77,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jaxdecode import hooks, sampling
+from jaxdecode import hooks
 from jaxdecode.hooks import static_signature
 from jaxdecode.model_api import DecoderModel, hidden_state_point
 

@@ -7,25 +7,12 @@ import numpy as np
 import pytest
 
 import jaxdecode as jd
-from models import Llama, LlamaConfig
 from tests.scripted import Bigram
+from tests.test_decode import greedy, tiny  # noqa: F401  (tiny: a pytest fixture)
 from tests.test_speculative import chi_square_pvalue, two_token_distribution
 
-EOS = 1
 LOOKUP = "prompt_lookup"
 PROMPTS = [[5, 6, 7, 5, 6, 7, 5], [30, 31, 32], [9]]
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    cfg = LlamaConfig(vocab_size=96, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
-                      max_len=128, hidden_size=32, intermediate_size=64, eos_token_ids=(EOS,))
-    model = Llama(cfg)
-    return model, model.init_params(jax.random.key(0), scale=0.3)
-
-
-def greedy(n, **kw):
-    return jd.SamplingParams(temperature=0.0, max_tokens=n, **kw)
 
 
 # processors used below: module-level functions, so equal processors hit the compile cache
