@@ -63,7 +63,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdecode import constraints, decode, research as research_lib
+from jaxdecode import constraints, decode, numerics
+from jaxdecode import research as research_lib
 from jaxdecode.config import SamplingParams
 from jaxdecode.decode import GenerateOutput, bucket
 from jaxdecode.model_api import DecoderModel, KVCache
@@ -147,7 +148,7 @@ def _beam_loop(model: DecoderModel, params: Any, cache: KVCache, logits: Array,
 
     def body(c):
         t = c["t"]
-        logp = jax.nn.log_softmax(c["logits"].astype(jnp.float32), axis=-1).reshape(b, w, v)
+        logp = numerics.log_softmax(c["logits"].astype(jnp.float32)).reshape(b, w, v)
         masked = jnp.where((t < min_new) & eos_mask[None, None, :], -jnp.inf, logp)
         if constrained:  # the grammar mask, on the log-probabilities like min_new_tokens
             masked = constraints.mask_logits(masked.reshape(b * w, v), gtables,
@@ -289,7 +290,9 @@ def beam_search(model: DecoderModel, params: Any, prompt_ids: Sequence[Sequence[
                                  tokenizer=tokenizer, research=setup)
     eos_mask = np.zeros((cfg.vocab_size,), bool)
     eos_mask[list(eos)] = True
-    width = max(widths)
+    # a lone width-1 row searches with a masked second beam (numerics.MIN_ROWS: no program of
+    # one row); its results are those of width 1 (the padding of per-row widths)
+    width = max(widths) if b * max(widths) >= numerics.MIN_ROWS else numerics.MIN_ROWS
     num_candidates = max(2, 1 + len(eos)) * width
     buffer_len = bucket(n)
     grammar = {} if state.grammar is None else dict(

@@ -2,7 +2,9 @@
 
 One loop body, two drivers: `decode_step` is the body; `generate` runs it inside
 `lax.while_loop` (one dispatch for the whole generation) or, with `trace=False`, from a Python
-loop (for streaming and debugging). Both give the same tokens.
+loop (for streaming and debugging; the engine's step is the same program). Each driver is
+batch invariant (docs/batch_invariance.md); the two compile the step differently, so their
+logits can differ in the last bit and a near-tie can pick another token.
 
 Off-by-one convention (SPEC O1): `decode_step` selects y_t from the logits of prompt + y[1:t-1];
 if y_t ends its row (EOS, stop id, max_tokens, context limit, a dead end) it is never written;
@@ -26,10 +28,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdecode import constraints, hooks, processors, research as research_lib
+from jaxdecode import constraints, hooks, numerics, processors, research as research_lib
 from jaxdecode import sampling as sampling_lib
 from jaxdecode.config import SamplingParams
-from jaxdecode.model_api import DecoderModel, params_dtype
+from jaxdecode.model_api import DecoderModel, KVCache, params_dtype
 from jaxdecode.prompts import token_rows
 from jaxdecode.state import (ALL_MASKED, CONTEXT_LIMIT, EOS, GRAMMAR_COMPLETE, GRAMMAR_DEAD_END,
                              MAX_TOKENS, MODEL_ERROR, RUNNING, STOP_TOKEN, RowParams, StepOutput,
@@ -108,8 +110,10 @@ def prefill(model: DecoderModel, params: Any, tokens: Array, lengths: Array, row
     """Prompt pass: tokens int32[B, T] right-padded (T a bucket), lengths int32[B] >= 1.
 
     Returns the StepState before y_1: the cache holds the prompts, `logits` is the last real
-    position's row of logits. `research` (static) and its args: interventions apply to the
-    prompt, and `StepState.research` starts (jaxdecode/research.py)."""
+    position's row of logits. The decoder calls it one prompt at a time, at the prompt's own
+    bucket (`prefill_rows`), so a row's prefill never depends on its neighbours. `research`
+    (static) and its args: interventions apply to the prompt, and `StepState.research` starts
+    (jaxdecode/research.py)."""
     b, t = tokens.shape
     cache = model.init_cache(b, cache_len, params_dtype(params))
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -132,6 +136,43 @@ def prefill(model: DecoderModel, params: Any, tokens: Array, lengths: Array, row
         state = state.replace(research=research_lib.initial_state(
             research, research_args, tokens, lengths, cache_len, captured))
     return state
+
+
+def row_tokens(prompt: Sequence[int], max_len: int) -> np.ndarray:
+    """int32[1, T]: one prompt right-padded to its own bucket T (capped at max_len)."""
+    tokens = np.zeros((1, bucket(len(prompt), max_len)), np.int32)
+    tokens[0, :len(prompt)] = prompt
+    return tokens
+
+
+def prefill_rows(model: DecoderModel, params: Any, prompts: Sequence[Sequence[int]],
+                 rows: RowParams, cache_len: int,
+                 research: Optional[research_lib.Setup] = None) -> list[StepState]:
+    """One-row StepStates, each prompt prefilled alone at its own bucket (batch invariance,
+    docs/batch_invariance.md: the bucket of a batch would follow its longest prompt). `rows`
+    holds numpy arrays, one row per prompt; `research` without interventions (their args
+    may be per row)."""
+    extra = ({} if research is None else
+             {"research": research.config, "research_args": research.args})
+    return [prefill(model, params, row_tokens(prompt, model.config.max_len),
+                    np.array([len(prompt)], np.int32), one_row(rows, r), cache_len, **extra)
+            for r, prompt in enumerate(prompts)]
+
+
+def one_row(rows: RowParams, r: int) -> RowParams:
+    """Row r of host-side RowParams (numpy arrays), as a batch of one."""
+    return jax.tree.map(lambda x: x[r:r + 1], rows)
+
+
+@jax.jit
+def stack_rows(states: Sequence[StepState]) -> StepState:
+    """The rows of several StepStates as one batch, in order (the cache's batch axis is 1)."""
+    cat = lambda axis, *xs: jnp.concatenate(xs, axis)  # noqa: E731
+    caches = [s.cache for s in states]
+    rest = jax.tree.map(functools.partial(cat, 0), *[s.replace(cache=None) for s in states])
+    return rest.replace(cache=caches[0].replace(
+        k=cat(1, *[c.k for c in caches]), v=cat(1, *[c.v for c in caches]),
+        lengths=cat(0, *[c.lengths for c in caches])))
 
 
 def finish_codes(state: StepState, logprobs: Array, token: Array,
@@ -194,7 +235,7 @@ def decode_step(model: DecoderModel, params: Any, state: StepState, top_logprobs
     logits, cache = model.forward(params, token[:, None], state.cache.lengths[:, None],
                                   state.cache, lengths=goes_on.astype(jnp.int32), **extra)
     rows_idx = jnp.arange(token.shape[0])
-    raw = jax.nn.log_softmax(state.logits, axis=-1)
+    raw = numerics.log_softmax(state.logits)
     if top_logprobs:
         top_lp, top_ids = jax.lax.top_k(raw, top_logprobs)
     else:
@@ -384,10 +425,6 @@ def prepare(model: DecoderModel, params: Any, prompt_ids: Sequence[Sequence[int]
                              f"(size {cfg.vocab_size})")
     t = bucket(longest, cfg.max_len)
     size = cache_len(longest, n, cfg.max_len)
-    tokens = np.zeros((b, t), np.int32)
-    for r, p in enumerate(prompt_ids):
-        tokens[r, : len(p)] = p
-    lengths = np.array([len(p) for p in prompt_ids], np.int32)
     if key is None:
         key = jax.random.key(0)
     keys = np.stack([seed_key_data(s.seed) if s.seed is not None
@@ -398,14 +435,19 @@ def prepare(model: DecoderModel, params: Any, prompt_ids: Sequence[Sequence[int]
     eos = cfg.eos_token_ids if eos_token_ids is None else tuple(eos_token_ids)
     rows = RowParams.build(rows_sp, cfg.vocab_size, eos, keys=keys)
     grammar = constraints.prepare_rows(rows_sp, tokenizer, cfg.vocab_size, eos)  # before prefill
-    if research is None:
-        state = prefill(model, params, tokens, lengths, rows, size)
-    else:
-        if research.config.interventions and any(s.n > 1 for s in rows_sp):
+    if research is not None and research.config.interventions:
+        if any(s.n > 1 for s in rows_sp):
             raise ValueError("interventions: not supported with n > 1 (the prompt pass is "
                              "shared by the samples; give each sample its own prompt row)")
-        state = prefill(model, params, tokens, lengths, rows, size,
-                        research=research.config, research_args=research.args)
+        # intervention args may hold one value per row: one batched prompt pass (the
+        # batch-invariance promise excludes interventions, docs/batch_invariance.md)
+        tokens = np.zeros((b, t), np.int32)
+        for r, p in enumerate(prompt_ids):
+            tokens[r, : len(p)] = p
+        state = prefill(model, params, tokens, np.array([len(p) for p in prompt_ids], np.int32),
+                        rows, size, research=research.config, research_args=research.args)
+    else:
+        state = stack_rows(prefill_rows(model, params, prompt_ids, rows, size, research))
     if grammar is not None:  # constraints: tables + initial per-row states
         state = state.replace(grammar_state=jnp.asarray(grammar[1]), grammar=grammar[0].tables)
     if any(s.n > 1 for s in rows_sp):
@@ -414,33 +456,45 @@ def prepare(model: DecoderModel, params: Any, prompt_ids: Sequence[Sequence[int]
 
 
 def sample_keys(key_data: np.ndarray, n: int) -> np.ndarray:
-    """Key data of the n samples of one request: sample i uses fold_in(request key, i).
-
-    (n == 1 keeps the request key itself, so a single sample is what it always was.)"""
-    if n == 1:
-        return np.asarray(key_data, np.uint32)[None]
+    """Key data of the n samples of one request: sample 0 is the request's own key (so it is
+    the request with n = 1, alone or in any batch), sample i >= 1 uses fold_in(request key, i)."""
     base = jax.random.wrap_key_data(jnp.asarray(key_data, jnp.uint32))
-    return np.stack([np.asarray(jax.random.key_data(jax.random.fold_in(base, i)), np.uint32)
-                     for i in range(n)])
+    return np.stack([np.asarray(key_data, np.uint32)]
+                    + [np.asarray(jax.random.key_data(jax.random.fold_in(base, i)), np.uint32)
+                       for i in range(1, n)])
 
 
-def take_rows(state: StepState, index) -> StepState:
-    """Rows `index` of a StepState (cache gathered along its batch axis, axis 1 of k and v;
-    the shared grammar tables untouched, the per-row grammar_state gathered)."""
-    cache, grammar = state.cache, state.grammar
-    rest = jax.tree.map(lambda x: jnp.take(x, index, axis=0),
-                        state.replace(cache=None, grammar=None))
-    return rest.replace(grammar=grammar,
-                        cache=cache.replace(k=jnp.take(cache.k, index, axis=1),
-                                            v=jnp.take(cache.v, index, axis=1),
-                                            lengths=jnp.take(cache.lengths, index, axis=0)))
+def take_rows(state: Any, index) -> Any:
+    """Rows `index` of a decoding state (a StepState or a speculative SpecState): per-row
+    arrays gathered along axis 0, every KVCache along its batch axis (axis 1 of k and v); the
+    shared grammar tables untouched, the per-row grammar_state gathered."""
+    def take(x):
+        if isinstance(x, KVCache):
+            return x.replace(k=jnp.take(x.k, index, axis=1), v=jnp.take(x.v, index, axis=1),
+                             lengths=jnp.take(x.lengths, index, axis=0))
+        return jnp.take(x, index, axis=0)
+
+    rows = jax.tree.map(take, state.replace(grammar=None),
+                        is_leaf=lambda x: isinstance(x, KVCache))
+    return rows.replace(grammar=state.grammar)
+
+
+def pad_rows(state: Any, rows: int) -> Any:
+    """At least `numerics.MIN_ROWS` rows: a state of fewer rows (a lone request) gets copies
+    of its last row marked done, which select and write nothing (batch invariance: no
+    program runs a batch of one row). Callers keep only their `rows` first outputs."""
+    if rows >= numerics.MIN_ROWS:
+        return state
+    index = np.minimum(np.arange(numerics.MIN_ROWS), rows - 1).astype(np.int32)
+    state = take_rows(state, jnp.asarray(index))
+    return state.replace(done=state.done | (jnp.arange(numerics.MIN_ROWS) >= rows))
 
 
 def expand_n(state: StepState, rows_sp: Sequence[SamplingParams], keys: np.ndarray,
              vocab_size: int, eos: Sequence[int]):
     """Parallel sampling (SamplingParams.n): request r becomes n_r adjacent rows that share its
-    prefilled prompt cache (broadcast by a gather after the one prefill), sample i of a request
-    drawing from fold_in(request key, i). Returns (state, per-row SamplingParams)."""
+    prefilled prompt cache (broadcast by a gather after the one prefill), keyed by
+    `sample_keys`. Returns (state, per-row SamplingParams)."""
     index = np.repeat(np.arange(len(rows_sp)), [s.n for s in rows_sp])
     keys = np.concatenate([sample_keys(k, s.n) for k, s in zip(keys, rows_sp)])
     rows_sp = [rows_sp[r] for r in index]
@@ -462,8 +516,8 @@ def generate(model: DecoderModel, params: Any, prompt_ids: Sequence[Sequence[int
     A row's randomness comes from its seed; `key` serves rows with seed=None (row r uses
     fold_in(key, r)). `max_new_tokens` defaults to the largest max_tokens and caps every row.
     A request with `n > 1` is prefilled once and returns n adjacent rows (output rows = sum of
-    n over the prompts, in prompt order, samples by index); sample i draws from
-    fold_in(request key, i), so a seeded request's n samples are reproducible.
+    n over the prompts, in prompt order, samples by index); sample 0 uses the request key and
+    sample i >= 1 fold_in(request key, i), so a seeded request's n samples are reproducible.
     `trace=False` drives the same step from a Python loop instead of `lax.while_loop`.
     `tokenizer` is needed when a row has a response_format (jaxdecode/constraints).
     Research options (jaxdecode/research.py, jaxdecode/hooks.py): `processors` (custom
@@ -478,6 +532,8 @@ def generate(model: DecoderModel, params: Any, prompt_ids: Sequence[Sequence[int
         observers=observers, host_callback=host_callback, interventions=interventions)
     state, rows_sp, n = prepare(model, params, prompt_ids, sampling, max_new_tokens, key,
                                 tokenizer=tokenizer, research=setup)
+    b = len(rows_sp)
+    state = pad_rows(state, b)
     k = max(s.logprobs for s in rows_sp)
     buffer_len = bucket(n)
     config = None if setup is None else setup.config
@@ -497,10 +553,11 @@ def generate(model: DecoderModel, params: Any, prompt_ids: Sequence[Sequence[int
         stack = lambda name: np.stack([getattr(o, name) for o in outs], 1)  # noqa: E731
         tokens, logprob, top_ids, top_lp = (stack(x) for x in
                                             ("token", "logprob", "top_ids", "top_logprobs"))
-    finish = np.asarray(state.finish)
-    step = np.asarray(state.step)
+    finish = np.asarray(state.finish)[:b]
+    step = np.asarray(state.step)[:b]
     failed = np.isin(finish, FAILED_CODES)
     lengths = np.where(failed, step - 1, step).astype(np.int32)
+    tokens, logprob, top_ids, top_lp = (x[:b] for x in (tokens, logprob, top_ids, top_lp))
     tokens, logprob = _fit(tokens, n), _fit(logprob, n)
     after_end = np.arange(n)[None, :] >= lengths[:, None]
     tokens[after_end], logprob[after_end] = -1, 0.0

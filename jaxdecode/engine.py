@@ -1,8 +1,8 @@
 """`LLM`: continuous batching over fixed slots, with streaming, cancellation and deadlines.
 
-JetStream-style: requests admitted together are prefilled as one batch into their prompt
-bucket and inserted into free slots; one jitted decode step runs over all slots (finished and
-empty rows are masked). One
+JetStream-style: admitted requests are prefilled (each alone at its own prompt bucket, so a
+row's numerics never depend on its neighbours: docs/batch_invariance.md) and inserted into free
+slots; one jitted decode step runs over all slots (finished and empty rows are masked). One
 engine thread owns the device state and runs the host loop:
 
     admit queued requests into free slots -> apply releases and pauses -> dispatch step t+1
@@ -75,7 +75,8 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 import jax
 import numpy as np
 
-from jaxdecode import admission, beam_lane, constraints, decode, faults, speculative_engine
+from jaxdecode import admission, beam_lane, constraints, decode, faults, numerics
+from jaxdecode import speculative_engine
 from jaxdecode import replay as replay_lib
 from jaxdecode import request_state, research, step_ops
 from jaxdecode.config import MAX_LOGPROBS, SamplingParams
@@ -461,7 +462,7 @@ class LLM:
 
     def warmup(self, max_prompt_len: int = 64) -> int:
         """Compile every shape the engine can meet for prompts up to `max_prompt_len`
-        (`step_ops.warmup_shapes`: prefill per admission batch and prompt bucket, the slot
+        (`step_ops.warmup_shapes`: the one-row prefill per prompt bucket, the slot
         scatter, the decode step -- with `speculative=`: the speculative round -- per attention
         bucket with and without logprobs). Returns the compilations. With a step hook, call it
         before the first request (the op must not interleave with the engine thread's)."""
@@ -514,6 +515,7 @@ class LLM:
             key_data=r.key_data, sample_index=r.index,
             layout={"engine": "LLM", "max_slots": self.max_slots, "max_len": self.max_len,
                     "prompt_bucket": decode.bucket(len(r.prompt_ids), self.max_len)},
+            batch_invariance=numerics.guarantee(self.model, jax.default_backend()),
             detokenizer_mode=r.pipeline.detokenizer.mode, token_ids=r.token_ids,
             text=r.pipeline.text, finish_reason=finish.value if finish else None,
             error=error.value if error else None, usage=dataclasses.asdict(r.usage()),
@@ -774,11 +776,12 @@ class LLM:
         self._admitting = []
 
     def _prefill_into(self, batch: list, free: list) -> None:
-        """Prefill the requests as one padded batch and scatter them into slots `free`. A
-        request that already selected tokens (requeued by `_recover`) is prefilled with its
-        prompt and those tokens and goes on at its own step: its penalty counts, RNG step and
-        grammar state are those it had, so it selects what it would have selected."""
-        n = 1 << (len(batch) - 1).bit_length()
+        """Prefill the requests (one ADMIT op: each row alone at its own prompt bucket,
+        docs/batch_invariance.md) and scatter them into slots `free`. A request that already
+        selected tokens (requeued by `_recover`) is prefilled with its prompt and those tokens
+        and goes on at its own step: its penalty counts, RNG step and grammar state are those it
+        had, so it selects what it would have selected."""
+        n = len(batch)
         inputs = [r.prompt_ids + r.token_ids for r in batch]
         t = decode.bucket(max(map(len, inputs)), self.max_len)
         tokens = np.zeros((n, t), np.int32)

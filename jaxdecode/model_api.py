@@ -85,6 +85,11 @@ class DecoderModel(Protocol):
     value (same shape and dtype). `hook=None` (the default) must leave the computation exactly
     as without the keyword. The decoder reads captured values and applies interventions
     through this one function.
+
+    Batch invariance (docs/batch_invariance.md): a model whose `batch_invariant` attribute is
+    True promises that a row's logits are bitwise the same whatever the other rows are, however
+    many there are, and whatever `kv_len` or cache length the call uses (for a fixed number T of
+    tokens per row). `models/` does it with fixed-shape row tiles, key blocks and `fixed_sum`.
     """
 
     config: ModelConfig
@@ -113,6 +118,28 @@ def hidden_state_point(layer: int, num_layers: int) -> str:
         raise ValueError(f"return_hidden_states: layer {layer} is outside [0, {num_layers}] "
                          "(HF output_hidden_states indexing: 0 = embeddings, L = final norm)")
     return "embed" if layer == 0 else "final_norm" if layer == num_layers else f"resid.{layer - 1}"
+
+
+def fixed_sum(x: Array, axis: int = -1, keepdims: bool = False) -> Array:
+    """Sum along `axis` in a fixed layout: a halving tree of elementwise adds over the axis
+    zero-padded to a power of two (element i pairs with i + n/2, then recursively).
+
+    XLA picks the order of its own reductions from the whole shape (on XLA:CPU a row's sum
+    changes with the number of rows), while elementwise adds are never reordered, so this sum
+    of a row depends on that row alone. Trailing zeros change nothing (x + 0 == x), so a row
+    padded to a longer axis sums to the same bits -- attention over a longer cache included."""
+    axis = axis % x.ndim
+    n = x.shape[axis]
+    size = 1 << max(0, n - 1).bit_length()
+    if size != n:
+        pad = [(0, 0)] * x.ndim
+        pad[axis] = (0, size - n)
+        x = jnp.pad(x, pad)
+    while size > 1:
+        size //= 2
+        x = (jax.lax.slice_in_dim(x, 0, size, axis=axis)
+             + jax.lax.slice_in_dim(x, size, 2 * size, axis=axis))
+    return x if keepdims else jnp.squeeze(x, axis)
 
 
 # -- sharding -----------------------------------------------------------------------------------

@@ -10,9 +10,10 @@
    smallest set whose mass reaches p; min-p drops tokens below min_p * the top probability)
 5. renormalisation (log-softmax)
 
-Every processor is vectorised over rows with that row's own parameters (SPEC P3). Selection
-(step 6) lives in `sampling.py`. User-defined processors (jaxdecode/research.py) run at four
-named points of this order: "first" (before 1), "after_penalties" (after 2),
+Every processor is vectorised over rows with that row's own parameters (SPEC P3), and its sums
+use `numerics` (a row's result never depends on the other rows: docs/batch_invariance.md).
+Selection (step 6) lives in `sampling.py`. User-defined processors (jaxdecode/research.py) run
+at four named points of this order: "first" (before 1), "after_penalties" (after 2),
 "after_temperature" (after 3) and "last" (after 4, before 5).
 """
 
@@ -24,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxdecode import numerics
 from jaxdecode.config import SamplingParams
 from jaxdecode.constraints import tables as constraint_tables
 from jaxdecode.state import RowParams
@@ -63,13 +65,13 @@ def apply_truncation(logits: Array, rows: RowParams) -> Array:
         k = jnp.where(rows.top_k > 0, jnp.minimum(rows.top_k, v), v)
         kth = jnp.take_along_axis(sorted_x, (k - 1)[:, None], axis=-1)
         sorted_x = jnp.where(sorted_x < kth, -jnp.inf, sorted_x)
-        probs = jax.nn.softmax(sorted_x, axis=-1)
+        probs = numerics.softmax(sorted_x)
         mass_before = jnp.cumsum(probs, axis=-1) - probs
         # rows with top_p == 1 keep everything: f32 cumulative sums reach 1 before the tail
         drop = ((mass_before >= rows.top_p[:, None]) & (rows.top_p[:, None] < 1.0)
                 & (jnp.arange(v)[None, :] > 0))
         sorted_x = jnp.where(drop, -jnp.inf, sorted_x)
-        probs = jax.nn.softmax(sorted_x, axis=-1)
+        probs = numerics.softmax(sorted_x)
         sorted_x = jnp.where(probs < rows.min_p[:, None] * probs[:, :1], -jnp.inf, sorted_x)
         inverse = jnp.argsort(order, axis=-1)
         return jnp.take_along_axis(sorted_x, inverse, axis=-1)
@@ -99,7 +101,7 @@ def process(logits: Array, rows: RowParams, counts: Array, seen: Array, step: Ar
         x = custom("after_temperature", apply_temperature(custom("after_penalties", x), rows))
         x = custom("last", jnp.where(greedy, x, apply_truncation(x, rows)))
     all_masked = jnp.all(jnp.isneginf(x), axis=-1, keepdims=True)  # SPEC P2: -inf, never NaN
-    return jnp.where(all_masked, -jnp.inf, jax.nn.log_softmax(x, axis=-1))
+    return jnp.where(all_masked, -jnp.inf, numerics.log_softmax(x))
 
 
 def history_arrays(output_ids: Optional[np.ndarray], batch: int, vocab_size: int):

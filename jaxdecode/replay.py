@@ -13,9 +13,12 @@ of environment (backend, versions, PRNG, model or tokenizer hash) before compari
 mismatch reports the first divergent step (1-based) with both tokens and their raw logits and
 processed probabilities at that step (recomputed from the prompt plus the common prefix).
 
-Batch invariance (SPEC X1): a seeded request's tokens do not depend on its slot, its
-neighbours or `max_slots` (tested on CPU). The prompt bucket depends on the prompt alone and
-is pinned in the record.
+Batch invariance (SPEC X1, docs/batch_invariance.md): a seeded request's tokens do not depend
+on its slot, its neighbours or `max_slots`. The record says how far that holds for the run that
+made it: `"batch_invariance": {"mode", "backend", "bitwise"}` (`numerics.guarantee`; bitwise
+True for a batch-invariant model on a backend the suite checks, XLA:CPU). Records written
+before the field existed load unchanged (the key is then absent). The prompt bucket depends
+on the prompt alone and is pinned in the record.
 """
 
 from __future__ import annotations
@@ -123,7 +126,8 @@ def build_record(*, model_hash: str, model_config: Any, model_source: Optional[s
                  layout: dict, detokenizer_mode: str, token_ids: list, text: str,
                  finish_reason: Optional[str], error: Optional[str], usage: dict,
                  messages: Optional[list] = None, chat_template_hash: Optional[str] = None,
-                 processors: Optional[tuple] = None) -> GenerationRecord:
+                 processors: Optional[tuple] = None,
+                 batch_invariance: Optional[dict] = None) -> GenerationRecord:
     """The record of one request; `processors`: the stage order with custom processors
     (jaxdecode/research.py), recorded only when there are some."""
     prompt = {"ids": list(prompt_ids), "text": prompt_text,
@@ -145,6 +149,7 @@ def build_record(*, model_hash: str, model_config: Any, model_source: Optional[s
                 "sampler": "inverse CDF, one uniform per row and step"},
         "environment": environment(),
         "layout": dict(layout, mesh=None),
+        "batch_invariance": batch_invariance,
         "rules": {"stop": STOP_RULE_VERSION, "detokenizer": detokenizer_mode,
                   "utf8_errors": sampling.utf8_errors,
                   "skip_special_tokens": sampling.skip_special_tokens},

@@ -381,12 +381,14 @@ class Setup:
     def finish(self, result: Any, bufs: tuple, states: Optional[ResearchState], n: int) -> Any:
         """`result` (a GenerateOutput) with the research fields: step-major device buffers
         (scores, logits, hidden, observed) -> batch-major host arrays of N = n steps, zero after
-        each row's end; the processors' final states."""
+        each row's end; the processors' final states. Rows past the result's (the padding row of
+        a lone request, numerics.MIN_ROWS) are dropped; observers see the device state as is."""
         scores, logits, hidden, observed = jax.tree.map(np.asarray, bufs)
+        b = len(result.lengths)
         after_end = np.arange(n)[None, :] >= result.lengths[:, None]
 
         def per_row(x):  # [steps, B, ...] -> [B, n, ...], zero after the row's end
-            x = np.swapaxes(x, 0, 1)[:, :n]
+            x = np.swapaxes(x, 0, 1)[:b, :n]
             x = np.pad(x, [(0, 0), (0, n - x.shape[1])] + [(0, 0)] * (x.ndim - 2)).copy()
             x[after_end] = 0
             return x
@@ -407,7 +409,8 @@ class Setup:
                                       for o in observed]
         if self.config.processors:
             fields["processor_order"] = self.processor_order
-            fields["processor_states"] = final_states(self.config, states.states)
+            fields["processor_states"] = final_states(self.config, jax.tree.map(
+                lambda x: x[:b], states.states))
         return dataclasses.replace(result, **fields)
 
 

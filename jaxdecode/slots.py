@@ -1,9 +1,8 @@
 """Device-side slot operations of the engine: a batch of `max_slots` rows in one StepState.
 
-Requests admitted together are prefilled as one batch (padded to a power of two, their longest
-prompt's bucket) and scattered into free slots;
-ending a request marks its row done; back-pressure pauses rows. Slot indices and masks are
-arrays, so admitting a request never recompiles.
+Admitted requests are prefilled one by one, each at its own prompt bucket (batch invariance),
+and scattered into free slots; ending a request marks its row done; back-pressure pauses rows.
+Slot indices and masks are arrays, so admitting a request never recompiles.
 """
 
 from __future__ import annotations

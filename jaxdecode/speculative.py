@@ -100,7 +100,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jaxdecode import constraints, decode, processors, research as research_lib, sampling
+from jaxdecode import constraints, decode, numerics, processors, sampling
+from jaxdecode import research as research_lib
 from jaxdecode.config import SamplingParams
 from jaxdecode.decode import ERRORS, FAILED_CODES, FINISH_REASONS, GenerateOutput, bucket
 from jaxdecode.model_api import DecoderModel
@@ -495,7 +496,7 @@ def spec_round(target: DecoderModel, tparams: Any, draft: Optional[DecoderModel]
     h = s.hist.shape[1]
     where_to = jnp.where(emitted, length[:, None] + i0, h)
     hist = s.hist.at[jnp.arange(b)[:, None], where_to].set(emit, mode="drop")
-    raw_all = jax.nn.log_softmax(tlogits, -1)
+    raw_all = numerics.log_softmax(tlogits)
     raw = jnp.take_along_axis(raw_all, emit[:, :, None], 2)[..., 0]
     lpbuf = s.lpbuf.at[jnp.arange(b)[:, None], where_to].set(raw, mode="drop")
     add = jnp.sum(jax.nn.one_hot(emit, v, dtype=jnp.int32) * emitted[:, :, None], 1)
@@ -621,43 +622,39 @@ def speculative_generate(target: DecoderModel, target_params: Any,
                      proposed=zeros, accepted=zeros, target_tokens=zeros, iterations=zeros,
                      grammar_state=state.grammar_state, grammar=state.grammar,
                      research=None if setup is None else state.research.replace(ids=None))
-    if not lookup:
+    if not lookup:  # each prompt alone at its own bucket, as the target's (decode.prepare)
         uniq = [list(p) for p in prompt_ids]
-        t = bucket(max(len(p) for p in uniq), target.config.max_len)
-        toks = np.zeros((len(uniq), t), np.int32)
-        for r, p in enumerate(uniq):
-            toks[r, : len(p)] = p
         dummy = RowParams.build([SamplingParams()] * len(uniq), draft.config.vocab_size)
-        dstate = decode.prefill(draft, draft_params, toks,
-                                np.array([len(p) for p in uniq], np.int32), dummy, cache_len)
-        dcache = dstate.cache
+        dcache = decode.stack_rows(decode.prefill_rows(draft, draft_params, uniq, dummy,
+                                                       cache_len)).cache
         dcache = dcache.replace(k=jnp.take(dcache.k, index, axis=1),
                                 v=jnp.take(dcache.v, index, axis=1),
                                 lengths=jnp.take(dcache.lengths, index) - 1)
         init = init.replace(dcache=dcache, lag=jnp.zeros((b,), bool))
     ngrams = tuple(range(ngram_max, ngram_min - 1, -1))
     c = _spec_loop(target, target_params, None if lookup else draft,
-                   None if lookup else draft_params, k, ngrams, init, jnp.int32(n + 1),
-                   num_branches, None if setup is None else setup.config)
+                   None if lookup else draft_params, k, ngrams, decode.pad_rows(init, b),
+                   jnp.int32(n + 1), num_branches, None if setup is None else setup.config)
 
-    finish = np.asarray(c.finish)
-    step = np.asarray(c.step)
+    finish = np.asarray(c.finish)[:b]
+    step = np.asarray(c.step)[:b]
     failed = np.isin(finish, FAILED_CODES)
     lengths = np.where(failed, step - 1, step).astype(np.int32)
-    hist_out, lp_out = np.asarray(c.hist), np.asarray(c.lpbuf)
+    hist_out, lp_out = np.asarray(c.hist)[:b], np.asarray(c.lpbuf)[:b]
     token_ids = np.full((b, n), -1, np.int32)
     logprobs = np.zeros((b, n), np.float32)
     for r in range(b):
         m, ln = int(plen[r]), int(lengths[r])
         token_ids[r, :ln] = hist_out[r, m: m + ln]
         logprobs[r, :ln] = lp_out[r, m: m + ln]
-    stats = {name: np.asarray(getattr(c, name)).astype(np.int64)
+    stats = {name: np.asarray(getattr(c, name))[:b].astype(np.int64)
              for name in ("proposed", "accepted", "target_tokens", "iterations")}
     stats["mean_accepted_length"] = float(
         (stats["accepted"].sum() + stats["target_tokens"].sum()) / max(1, stats["iterations"].sum()))
     custom = {} if setup is None else dict(
         processor_order=setup.processor_order,
-        processor_states=research_lib.final_states(setup.config, c.research.states))
+        processor_states=research_lib.final_states(
+            setup.config, jax.tree.map(lambda x: x[:b], c.research.states)))
     return SpeculativeOutput(
         token_ids=token_ids, lengths=lengths,
         finish_reasons=[FINISH_REASONS[int(x)] for x in finish],

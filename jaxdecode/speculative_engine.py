@@ -10,12 +10,13 @@ ValueError naming the field (`speculative.draft`, `speculative.k`, ...). The dra
 the target's vocabulary and hold at least `max_len` positions.
 
 Device side: the engine's state is a `SpecState` of `max_slots` rows (`empty_state`: every row
-done). Admitted requests are prefilled as one padded batch -- the target and the draft each by
-`decode.prefill`, their caches then rolled back by one (the last prompt token is pending, the
-round's convention) and the prompt copied into the history -- and scattered into free slots
-(`insert`). Ending a request marks its row done, back-pressure and `pause()` set `paused`
-(`set_flags`): a paused row is not live in a round, nothing of it advances (SPEC B1). Slot
-indices and masks are arrays, so admitting a request never recompiles. A row's keys are its
+done). Each admitted request is prefilled alone at its own prompt bucket (batch invariance,
+docs/batch_invariance.md) -- the target and the draft each by `decode.prefill`, their caches
+then rolled back by one (the last prompt token is pending, the round's convention) and the
+prompt copied into the history -- and scattered into a free slot (`insert`). Ending a request
+marks its row done, back-pressure and `pause()` set `paused` (`set_flags`): a paused row is not
+live in a round, nothing of it advances (SPEC B1). Slot indices and masks are arrays, so
+admitting a request never recompiles. A row's keys are its
 request's (`fold_in(request_key, t)` per output index t, SPEC X1), so a seeded request emits
 exactly what `speculative_generate` emits for it, whatever its slot and neighbours.
 
@@ -257,19 +258,17 @@ class SpeculativeRunner:
                                        / max(1, out["iterations"]))
         return out
 
-    def warmup(self, state: SpecState, batches: Sequence[int], t_buckets: Sequence[int],
-               kv_buckets: Sequence[int], top_ks: Sequence[int], max_len: int,
-               eos_token_ids: Sequence[int]) -> SpecState:
-        """Compile prefill + insert for each admission batch and prompt bucket, the flags, and
-        the round for each attention bucket and top-k."""
+    def warmup(self, state: SpecState, t_buckets: Sequence[int], kv_buckets: Sequence[int],
+               top_ks: Sequence[int], max_len: int, eos_token_ids: Sequence[int]) -> SpecState:
+        """Compile the one-row prefill + insert for each prompt bucket, the flags, and the
+        round for each attention bucket and top-k."""
         slots = state.length.shape[0]
-        for n in batches:
-            rows = RowParams.build([SamplingParams()] * n, self.target.config.vocab_size,
-                                   eos_token_ids, keys=np.zeros((n, 2), np.uint32))
-            for t in t_buckets:
-                fresh = self.prefill(np.zeros((n, t), np.int32), np.ones((n,), np.int32), rows,
-                                     max_len)
-                state = insert(state, fresh, np.full((n,), slots, np.int32))
+        rows = RowParams.build([SamplingParams()], self.target.config.vocab_size,
+                               eos_token_ids, keys=np.zeros((1, 2), np.uint32))
+        for t in t_buckets:
+            fresh = self.prefill(np.zeros((1, t), np.int32), np.ones((1,), np.int32), rows,
+                                 max_len)
+            state = insert(state, fresh, np.full((1,), slots, np.int32))
         flags = np.zeros((slots,), bool)
         state = set_flags(state, flags, flags)
         for kv in kv_buckets:

@@ -7,7 +7,7 @@ each decision as a `StepOp` and applies it with `apply`; a follower process
 (`serving/distributed.py`) receives the same ops and applies them with the same `apply` to its
 own state, so leader and followers cannot drift. One op = one device action:
 
-    INIT     empty slot state                    ADMIT    prefill a batch, scatter into slots
+    INIT     empty slot state                    ADMIT    prefill rows, scatter into slots
     RESTORE  insert a saved row into a slot      GRAMMAR  new grammar tables / rebased states
     FLAGS    release and pause masks             STEP     one decode step (kv_len, top_logprobs)
     RESET    drop the state (after a failure)    WARMUP   compile every engine shape
@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxdecode import decode, slots, speculative_engine
+from jaxdecode import decode, numerics, slots, speculative_engine
 from jaxdecode.beam import beam_search
 from jaxdecode.config import SamplingParams
 from jaxdecode.constraints.tables import GrammarTables
@@ -97,10 +97,11 @@ def admit(tokens: np.ndarray, lengths: np.ndarray, targets: np.ndarray, rows: Ro
           grammar_state: Optional[np.ndarray] = None,
           resume: Optional[tuple[np.ndarray, np.ndarray, np.ndarray]] = None) -> StepOp:
     """Prefill tokens int32[n, T] (lengths int32[n]) and scatter row i into slot targets[i]
-    (max_slots drops a padding row); rows: RowParams of numpy arrays. `resume` = (step int32[n],
-    counts int32[n, V], last token int32[n], prompt length int32[n]) for rows whose tokens end
-    with output they already selected (`LLM._recover`): the row continues at that step with
-    those penalty counts (custom processors see its own prompt length)."""
+    (max_slots drops a padding row); rows: RowParams of numpy arrays. `apply` prefills each row
+    alone at its own prompt bucket (batch invariance, docs/batch_invariance.md). `resume` =
+    (step int32[n], counts int32[n, V], last token int32[n], prompt length int32[n]) for rows
+    whose tokens end with output they already selected (`LLM._recover`): the row continues at
+    that step with those penalty counts (custom processors see its own prompt length)."""
     arrays = {"tokens": tokens, "lengths": lengths, "targets": targets}
     arrays.update({"rows." + k: np.asarray(v) for k, v in vars(rows).items()})
     if grammar_state is not None:
@@ -211,6 +212,16 @@ class Context:
     spec: Optional[Any] = None  # a speculative_engine.SpeculativeRunner: steps are its rounds
     research: Optional[Any] = None  # research.Setup: the engine's custom processors
 
+    @property
+    def rows(self) -> int:
+        """Rows of the device state: max_slots, at least numerics.MIN_ROWS (no program of one
+        row, docs/batch_invariance.md); a row past max_slots is never admitted (always done)."""
+        return max(self.max_slots, numerics.MIN_ROWS)
+
+    def per_row(self, mask: np.ndarray) -> np.ndarray:
+        """A per-slot array ([max_slots]) extended with zeros to the state's rows."""
+        return np.concatenate([mask, np.zeros((self.rows - len(mask),), mask.dtype)])
+
 
 def _research(ctx: Context) -> dict:
     """The keywords of prefill / decode steps for the engine's custom processors (none
@@ -227,40 +238,30 @@ def apply(ctx: Context, state: Optional[StepState], op: StepOp) -> tuple[Optiona
     a = op.arrays
     if op.code == INIT:
         _check_config(ctx, op)
-        if ctx.spec is not None:
-            return ctx.spec.empty_state(ctx.max_slots, ctx.max_len, ctx.eos_token_ids), None
-        return slots.empty_state(ctx.model, ctx.params, ctx.max_slots, ctx.max_len,
-                                 ctx.eos_token_ids, mesh=ctx.mesh, **_research(ctx)), None
+        return _empty_state(ctx), None
     if op.code == ADMIT:
         rows = RowParams(**{k[5:]: v for k, v in a.items() if k.startswith("rows.")})
-        if ctx.spec is not None:
-            prefilled = ctx.spec.prefill(a["tokens"], a["lengths"], rows, ctx.max_len)
-        else:
-            prefilled = decode.prefill(ctx.model, ctx.params, a["tokens"], a["lengths"], rows,
-                                       ctx.max_len, **_research(ctx))
-        if "grammar_state" in a:
-            prefilled = prefilled.replace(grammar_state=a["grammar_state"])
-        if "resume.step" in a:
-            resumed = {"step": a["resume.step"], "counts": a["resume.counts"]}
-            if isinstance(prefilled, StepState):  # a SpecState keeps its history instead
-                resumed["last_token"] = a["resume.last_token"]
-            if prefilled.research is not None:  # the prompt ends where the output began
-                resumed["research"] = prefilled.research.replace(
-                    prompt_length=a["resume.prompt_length"])
-            prefilled = prefilled.replace(**resumed)
-        return _slot_ops(ctx).insert(state, prefilled, a["targets"]), None
+        for i, target in enumerate(a["targets"]):
+            if target < ctx.max_slots:  # not a padding row
+                row = {k: v[i:i + 1] for k, v in a.items()
+                       if k in ("targets", "grammar_state") or k.startswith("resume.")}
+                state = _admit_row(ctx, state, a["tokens"][i, :a["lengths"][i]],
+                                   decode.one_row(rows, i), row)
+        return state, None
     if op.code == RESTORE:
         target = np.array([op.scalar("slot")], np.int32)
         return slots.insert(state, _saved_row(ctx, a), target), None
     if op.code == GRAMMAR:
         old = (state.grammar_state if state.grammar_state is not None
-               else np.full((ctx.max_slots,), -1, np.int32))
-        state = state.replace(grammar_state=_rebase(old, a["keep"], a["delta"]))
+               else np.full((ctx.rows,), -1, np.int32))
+        state = state.replace(grammar_state=_rebase(old, ctx.per_row(a["keep"]),
+                                                    ctx.per_row(a["delta"])))
         if "tables.allowed" in a:
             state = state.replace(grammar=_tables(ctx, a))
         return state, None
     if op.code == FLAGS:
-        return _slot_ops(ctx).set_flags(state, a["release"], a["paused"]), None
+        return _slot_ops(ctx).set_flags(state, ctx.per_row(a["release"]),
+                                        ctx.per_row(a["paused"])), None
     if op.code == STEP:
         if ctx.spec is not None:
             return ctx.spec.step(state, op.scalar("kv_len"), op.scalar("top_logprobs"))
@@ -284,31 +285,51 @@ def apply(ctx: Context, state: Optional[StepState], op: StepOp) -> tuple[Optiona
     raise ValueError(f"op: {op.name} is not applied to a state (the follower loop ends on it)")
 
 
+def _admit_row(ctx: Context, state: Any, prompt: np.ndarray, rows: RowParams,
+               row: Mapping[str, np.ndarray]) -> Any:
+    """Prefill one prompt alone at its own bucket and scatter it into slot row["targets"]
+    (int32[1]; max_slots drops it: warm-up), with the row's "grammar_state" and "resume.*"
+    arrays of an ADMIT op when present."""
+    tokens, lengths = decode.row_tokens(prompt, ctx.max_len), np.array([len(prompt)], np.int32)
+    if ctx.spec is not None:
+        prefilled = ctx.spec.prefill(tokens, lengths, rows, ctx.max_len)
+    else:
+        prefilled = decode.prefill(ctx.model, ctx.params, tokens, lengths, rows, ctx.max_len,
+                                   **_research(ctx))
+    if "grammar_state" in row:
+        prefilled = prefilled.replace(grammar_state=row["grammar_state"])
+    if "resume.step" in row:
+        resumed = {"step": row["resume.step"], "counts": row["resume.counts"]}
+        if isinstance(prefilled, StepState):  # a SpecState keeps its history instead
+            resumed["last_token"] = row["resume.last_token"]
+        if prefilled.research is not None:  # the prompt ends where the output began
+            resumed["research"] = prefilled.research.replace(
+                prompt_length=row["resume.prompt_length"])
+        prefilled = prefilled.replace(**resumed)
+    return _slot_ops(ctx).insert(state, prefilled, row["targets"])
+
+
+def _prompt_buckets(ctx: Context, max_prompt_len: int) -> list:
+    return sorted({decode.bucket(n, ctx.max_len)
+                   for n in range(1, min(max_prompt_len, ctx.max_len - 1) + 1)})
+
+
 def warmup_shapes(ctx: Context, max_prompt_len: int, top_logprobs: int = 0) -> int:
-    """Compile every shape the engine can meet for prompts up to `max_prompt_len`: prefill
-    for each admission batch (powers of two up to max_slots) and prompt bucket, the slot
-    scatter, and the decode step for each attention bucket, without logprobs and with
-    `top_logprobs` (the engine's two step variants). Returns the compilations."""
+    """Compile every shape the engine can meet for prompts up to `max_prompt_len`: the
+    one-row prefill for each prompt bucket, the slot scatter, and the decode step for each
+    attention bucket, without logprobs and with `top_logprobs` (the engine's two step
+    variants). Returns the compilations."""
     before = decode.compilation_count()
     if ctx.spec is not None:
         return _warmup_speculative(ctx, max_prompt_len, top_logprobs, before)
     model, params = ctx.model, ctx.params
-    state = slots.empty_state(model, params, ctx.max_slots, ctx.max_len, ctx.eos_token_ids,
-                              mesh=ctx.mesh, **_research(ctx))
-    t_buckets = sorted({decode.bucket(n, ctx.max_len) for n in
-                        range(1, min(max_prompt_len, ctx.max_len - 1) + 1)})
-    n = 1
-    while True:
-        rows = RowParams.build([SamplingParams()] * n, model.config.vocab_size,
-                               ctx.eos_token_ids, keys=np.zeros((n, 2), np.uint32))
-        for t in t_buckets:
-            row = decode.prefill(model, params, np.zeros((n, t), np.int32),
-                                 np.ones((n,), np.int32), rows, ctx.max_len, **_research(ctx))
-            state = slots.insert(state, row, np.full((n,), ctx.max_slots, np.int32))
-        if n >= ctx.max_slots:
-            break
-        n = min(2 * n, 1 << (ctx.max_slots - 1).bit_length())
-    flags_ = np.zeros((ctx.max_slots,), bool)
+    state = _empty_state(ctx)
+    rows = RowParams.build([SamplingParams()], model.config.vocab_size, ctx.eos_token_ids,
+                           keys=np.zeros((1, 2), np.uint32))
+    for t in _prompt_buckets(ctx, max_prompt_len):
+        state = _admit_row(ctx, state, np.zeros((t,), np.int32), rows,
+                           {"targets": np.array([ctx.rows], np.int32)})
+    flags_ = np.zeros((ctx.rows,), bool)
     state = slots.set_flags(state, flags_, flags_)
     kv = min(KV_BUCKET_MIN, ctx.max_len)
     while True:
@@ -325,16 +346,21 @@ def warmup_shapes(ctx: Context, max_prompt_len: int, top_logprobs: int = 0) -> i
 
 def _warmup_speculative(ctx: Context, max_prompt_len: int, top_logprobs: int,
                         before: int) -> int:
-    t_buckets = sorted({decode.bucket(n, ctx.max_len) for n in
-                        range(1, min(max_prompt_len, ctx.max_len - 1) + 1)})
-    batches = sorted({1 << i for i in range((ctx.max_slots - 1).bit_length() + 1)})
     kv_buckets = sorted({min(max(decode.bucket(n), KV_BUCKET_MIN), ctx.max_len)
                          for n in (1 << i for i in range(ctx.max_len.bit_length() + 1))})
-    state = ctx.spec.empty_state(ctx.max_slots, ctx.max_len, ctx.eos_token_ids)
-    state = ctx.spec.warmup(state, batches, t_buckets, kv_buckets, (0, top_logprobs),
-                            ctx.max_len, ctx.eos_token_ids)
+    state = _empty_state(ctx)
+    state = ctx.spec.warmup(state, _prompt_buckets(ctx, max_prompt_len), kv_buckets,
+                            (0, top_logprobs), ctx.max_len, ctx.eos_token_ids)
     jax.block_until_ready(state)
     return decode.compilation_count() - before
+
+
+def _empty_state(ctx: Context) -> Any:
+    """The engine's state before any request: `ctx.rows` rows, every one done."""
+    if ctx.spec is not None:
+        return ctx.spec.empty_state(ctx.rows, ctx.max_len, ctx.eos_token_ids)
+    return slots.empty_state(ctx.model, ctx.params, ctx.rows, ctx.max_len, ctx.eos_token_ids,
+                             mesh=ctx.mesh, **_research(ctx))
 
 
 def _slot_ops(ctx: Context) -> Any:

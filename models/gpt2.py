@@ -88,7 +88,7 @@ class GPT2(L.CachedDecoder):
 
     # -- internals ----------------------------------------------------------------------------
 
-    def _run(self, params: dict, tokens: Array, positions: Array, kv_source,
+    def _run(self, params: dict, tokens: Array, positions: Array, kv_source, tile,
              hook=None) -> Array:
         c = self.config
         b, t = tokens.shape
@@ -100,22 +100,25 @@ class GPT2(L.CachedDecoder):
             x = hook("embed", x)
         for i, p in enumerate(params["layers"]):
             h = L.layer_norm(x, p["attn_norm"], p["attn_norm_bias"], eps)
-            q = (h @ p["q"] + p["q_bias"]).reshape(b, t, c.num_heads, c.head_dim)
-            k = (h @ p["k"] + p["k_bias"]).reshape(b, t, c.num_kv_heads, c.head_dim)
-            v = (h @ p["v"] + p["v_bias"]).reshape(b, t, c.num_kv_heads, c.head_dim)
+            q, k, v = ((L.dense(h, p[name], tile) + p[name + "_bias"]).reshape(b, t, heads,
+                                                                               c.head_dim)
+                       for name, heads in (("q", c.num_heads), ("k", c.num_kv_heads),
+                                           ("v", c.num_kv_heads)))
             keys, values, k_pos = kv_source(i, k, v)
             scale = 1.0 / math.sqrt(c.head_dim) if c.scale_attn_weights else 1.0
             if c.scale_attn_by_inverse_layer_idx:
                 scale /= float(i + 1)
             attn = L.attention(q, keys.astype(q.dtype), values.astype(q.dtype), positions, k_pos,
                                None, scale)
-            x = x + attn.reshape(b, t, -1) @ p["o"] + p["o_bias"]
+            x = x + L.dense(attn.reshape(b, t, -1), p["o"], tile) + p["o_bias"]
             h = L.layer_norm(x, p["mlp_norm"], p["mlp_norm_bias"], eps)
-            x = x + act(h @ p["fc"] + p["fc_bias"]) @ p["proj"] + p["proj_bias"]
+            x = x + L.dense(act(L.dense(h, p["fc"], tile) + p["fc_bias"]), p["proj"],
+                            tile) + p["proj_bias"]
             if hook is not None:
                 x = hook(f"resid.{i}", x)
         x = L.layer_norm(x, params["final_norm"], params["final_norm_bias"], eps)
         if hook is not None:
             x = hook("final_norm", x)
-        head = params["embed"].T if c.tie_word_embeddings else params["lm_head"]
-        return jnp.dot(x, head, preferred_element_type=jnp.float32)
+        tied = c.tie_word_embeddings
+        return L.dense(x, params["embed"] if tied else params["lm_head"], tile, transpose=tied,
+                       out_dtype=jnp.float32)

@@ -1,4 +1,12 @@
-"""Small pure building blocks shared by the model families: norms, RoPE, KV writes, attention."""
+"""Small pure building blocks shared by the model families: norms, RoPE, KV writes, attention.
+
+Batch invariance (docs/batch_invariance.md): on XLA:CPU a matrix product's arithmetic depends
+on its whole shape (a batch of one takes a matrix-vector path; the K-blocking of a GEMM moves
+with its row count) and so does a reduction's. In the cached forward every weight product
+therefore runs on fixed row tiles (`dense` with `ROW_TILE`), attention on fixed key blocks
+(`ATTN_BLOCK`) with per-(row, head, block) batched products, and every sum is `fixed_sum`:
+a row's logits are the same bits whatever batch, cache length or attention bucket it is in.
+"""
 
 from __future__ import annotations
 
@@ -9,24 +17,65 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdecode.model_api import KVCache
+from jaxdecode.model_api import KVCache, fixed_sum
 
 Array = jax.Array
+
+# Token rows per weight-product tile in the cached forward: a call of B rows of T tokens runs
+# ceil(B*T / max(ROW_TILE, T)) products of exactly max(ROW_TILE, T) rows (padding included).
+ROW_TILE = 8
+# Keys per attention block: every (row, kv head, block) is one product of fixed shape.
+ATTN_BLOCK = 128
 
 
 def rms_norm(x: Array, weight: Array, eps: float) -> Array:
     """Llama RMSNorm: statistics in f32, result in the input dtype (HF order of casts)."""
     xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    xf = xf * jax.lax.rsqrt(_mean(xf * xf) + eps)
     return weight * xf.astype(x.dtype)
 
 
 def layer_norm(x: Array, weight: Array, bias: Array, eps: float) -> Array:
     xf = x.astype(jnp.float32)
-    mean = jnp.mean(xf, axis=-1, keepdims=True)
-    var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
+    mean = _mean(xf)
+    var = _mean(jnp.square(xf - mean))
     y = (xf - mean) * jax.lax.rsqrt(var + eps)
     return (y * weight.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
+
+
+def _mean(x: Array) -> Array:
+    """Mean over the last axis (kept), summed in `fixed_sum`'s layout."""
+    return fixed_sum(x, -1, keepdims=True) / x.shape[-1]
+
+
+def dense(x: Array, w: Array, tile: Optional[int] = None, *, transpose: bool = False,
+          out_dtype: Any = None) -> Array:
+    """x [B, T, K] @ w [K, N] (w [N, K] with `transpose`) -> [B, T, N].
+
+    With `tile`, the B*T token rows go through a loop of products of exactly max(tile, T) rows
+    (the last tile zero-padded), so each row's arithmetic is that one fixed-shape product's,
+    whatever B is. The trip count is hidden from XLA (an optimization barrier), so the loop is
+    never unrolled or inlined: every batch size runs the same loop body."""
+    contract = lambda a: (((a.ndim - 1,), (1 if transpose else 0,)), ((), ()))  # noqa: E731
+    product = lambda a: jax.lax.dot_general(a, w, contract(a),  # noqa: E731
+                                            preferred_element_type=out_dtype)
+    if tile is None:
+        return product(x)
+    *lead, k = x.shape
+    rows = max(tile, x.shape[-2])
+    flat = x.reshape(-1, k)
+    m = flat.shape[0]
+    count = -(-m // rows)
+    flat = jnp.pad(flat, ((0, count * rows - m), (0, 0)))
+    n = w.shape[0] if transpose else w.shape[1]
+    out = jnp.zeros((count * rows, n), jax.eval_shape(product, flat[:rows]).dtype)
+
+    def body(i, out):
+        part = jax.lax.dynamic_slice_in_dim(flat, i * rows, rows)
+        return jax.lax.dynamic_update_slice_in_dim(out, product(part), i * rows, 0)
+
+    out = jax.lax.fori_loop(0, jax.lax.optimization_barrier(jnp.int32(count)), body, out)
+    return out[:m].reshape(*lead, n)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict]) -> np.ndarray:
@@ -105,31 +154,59 @@ def attention(q: Array, k: Array, v: Array, q_pos: Array, k_pos: Array,
     q: [B, T, H, D]; k, v: [B, KVH, S, D] (heads-major, as in the cache); q_pos: int32[B, T];
     k_pos: int32[S] or [B, S]. A query at position p sees keys at positions 0..p (and
     > p - window with a sliding window). The G = H / KVH query heads of a group are folded into
-    the query axis so each (row, kv head) is one contiguous matrix product. Returns [B, T, H, D].
+    the query axis. Returns [B, T, H, D].
+
+    Batch invariant by construction: the keys are cut into blocks of ATTN_BLOCK (the last one
+    zero-padded and masked) and the block is a batch axis of both products, so every (row, kv
+    head, block) is one product of fixed shape whatever B and S are; the maximum is exact and
+    the softmax denominator and the sum over blocks are `fixed_sum`s, to which masked keys and
+    blocks add exact zeros. A longer cache or attention bucket changes no bit of a row.
     """
     b, t, h, d = q.shape
-    kvh = k.shape[1]
+    kvh, s = k.shape[1], k.shape[2]
     g = h // kvh
     scale = (1.0 / math.sqrt(d)) if scale is None else scale
-    qg = q.reshape(b, t, kvh, g, d).transpose(0, 2, 1, 3, 4).reshape(b, kvh, t * g, d)
-    scores = jnp.einsum("bkqd,bksd->bkqs", qg, k, preferred_element_type=jnp.float32) * scale
-    k_pos = jnp.broadcast_to(k_pos, (b, k.shape[2]))
-    visible = k_pos[:, None, :] <= q_pos[:, :, None]  # [B, T, S]
+    nb = -(-s // ATTN_BLOCK)
+    k_pos = jnp.broadcast_to(k_pos, (b, s))
+    if nb * ATTN_BLOCK != s:  # padded keys sit past every query: never visible
+        pad = ((0, 0), (0, 0), (0, nb * ATTN_BLOCK - s), (0, 0))
+        k, v = jnp.pad(k, pad), jnp.pad(v, pad)
+        k_pos = jnp.pad(k_pos, ((0, 0), (0, nb * ATTN_BLOCK - s)),
+                        constant_values=jnp.iinfo(jnp.int32).max)
+    blocks = lambda x: x.reshape(b, kvh, nb, ATTN_BLOCK, d)  # noqa: E731
+    # at least 2 query rows: XLA rewrites a product with one row as multiply + reduce, whose
+    # order depends on the batch axes (the padding row is dropped below)
+    rows = max(2, t * g)
+    qg = q.reshape(b, t, kvh, g, d).transpose(0, 2, 1, 3, 4).reshape(b, kvh, 1, t * g, d)
+    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, 0), (0, rows - t * g), (0, 0)))
+    qg = jnp.broadcast_to(qg, (b, kvh, nb, rows, d))
+    scores = jnp.einsum("bknqd,bknsd->bknqs", qg, blocks(k),
+                        preferred_element_type=jnp.float32)[:, :, :, :t * g] * scale
+    kp = k_pos.reshape(b, 1, nb, 1, 1, ATTN_BLOCK)
+    qp = q_pos.reshape(b, 1, 1, t, 1, 1)
+    visible = kp <= qp
     if sliding_window is not None:
-        visible &= k_pos[:, None, :] > q_pos[:, :, None] - sliding_window
-    scores = jnp.where(visible[:, None, :, None, :], scores.reshape(b, kvh, t, g, -1), -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1)
-    # A padded query may see nothing; give it zeros rather than NaN.
-    probs = jnp.where(jnp.any(visible, -1)[:, None, :, None, None], probs, 0.0)
-    out = jnp.einsum("bkqs,bksd->bkqd", probs.reshape(b, kvh, t * g, -1).astype(v.dtype), v)
-    return out.reshape(b, kvh, t, g, d).transpose(0, 2, 1, 3, 4).reshape(b, t, h, d)
+        visible &= kp > qp - sliding_window
+    scores = jnp.where(visible, scores.reshape(b, kvh, nb, t, g, ATTN_BLOCK), -jnp.inf)
+    top = jnp.max(scores, axis=(2, 5), keepdims=True)
+    probs = jnp.exp(scores - jnp.where(jnp.isfinite(top), top, 0.0))  # masked: exactly 0
+    total = fixed_sum(fixed_sum(probs, -1), 2)                          # [B, KVH, T, G]
+    probs = probs.reshape(b, kvh, nb, t * g, ATTN_BLOCK).astype(v.dtype)
+    probs = jnp.pad(probs, ((0, 0), (0, 0), (0, 0), (0, rows - t * g), (0, 0)))
+    out = fixed_sum(jnp.einsum("bknqs,bknsd->bknqd", probs, blocks(v)), 2)[:, :, :t * g]
+    # a padded query may see nothing: zeros rather than NaN
+    out = out.reshape(b, kvh, t, g, d) / jnp.where(total > 0, total, 1.0)[..., None]
+    return out.astype(q.dtype).transpose(0, 2, 1, 3, 4).reshape(b, t, h, d)
 
 
 class CachedDecoder:
     """The `DecoderModel` protocol methods every family shares. A family is a frozen dataclass
-    with a `config` and `_run(params, tokens, positions, kv_source, hook) -> logits`, where
-    `kv_source(layer, k, v)` returns the keys, values and key positions that layer attends to
-    and `hook` is None or called as `x = hook(name, x)` at each of `model_api.hook_points`."""
+    with a `config` and `_run(params, tokens, positions, kv_source, tile, hook) -> logits`,
+    where `kv_source(layer, k, v)` returns the keys, values and key positions that layer attends
+    to, `tile` is `dense`'s row tile (ROW_TILE in the cached forward, None in `logits`) and
+    `hook` is None or called as `x = hook(name, x)` at each of `model_api.hook_points`."""
+
+    batch_invariant = True  # the cached forward: docs/batch_invariance.md
 
     def init_cache(self, batch: int, max_len: int, dtype: Any = jnp.float32) -> KVCache:
         c = self.config
@@ -152,14 +229,16 @@ class CachedDecoder:
             cache = write_kv(cache, i, k, v, write_pos)
             return cache.k[i, :, :, :kv_len], cache.v[i, :, :, :kv_len], k_pos
 
-        logits = self._run(params, tokens, positions, kv_source, hook)
+        logits = self._run(params, tokens, positions, kv_source, ROW_TILE, hook)
         return logits, cache.replace(lengths=new_lengths)
 
     def logits(self, params: dict, tokens: Array, positions: Optional[Array] = None,
                hook: Optional[Any] = None) -> Array:
-        """Full causal forward without a cache (training and full recompute)."""
+        """Full causal forward without a cache (training and full recompute: plain products,
+        differentiable, not batch invariant)."""
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32),
                                          tokens.shape)
         return self._run(params, tokens, positions,
-                         lambda i, k, v: (heads_major(k), heads_major(v), positions), hook)
+                         lambda i, k, v: (heads_major(k), heads_major(v), positions), None,
+                         hook)

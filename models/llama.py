@@ -77,7 +77,7 @@ class Llama(L.CachedDecoder):
 
     # -- internals ----------------------------------------------------------------------------
 
-    def _run(self, params: dict, tokens: Array, positions: Array, kv_source,
+    def _run(self, params: dict, tokens: Array, positions: Array, kv_source, tile,
              hook=None) -> Array:
         c = self.config
         b, t = tokens.shape
@@ -87,7 +87,7 @@ class Llama(L.CachedDecoder):
             x = hook("embed", x)
         for i, p in enumerate(params["layers"]):
             h = L.rms_norm(x, p["attn_norm"], c.rms_norm_eps)
-            q, k, v = h @ p["q"], h @ p["k"], h @ p["v"]
+            q, k, v = (L.dense(h, p[name], tile) for name in ("q", "k", "v"))
             if c.attention_bias:
                 q, k, v = q + p["q_bias"], k + p["k_bias"], v + p["v_bias"]
             q = L.apply_rope(q.reshape(b, t, c.num_heads, c.head_dim), positions, inv_freq)
@@ -96,13 +96,15 @@ class Llama(L.CachedDecoder):
             keys, values, k_pos = kv_source(i, k, v)
             attn = L.attention(q, keys.astype(q.dtype), values.astype(q.dtype), positions, k_pos,
                                c.sliding_window)
-            x = x + attn.reshape(b, t, -1) @ p["o"]
+            x = x + L.dense(attn.reshape(b, t, -1), p["o"], tile)
             h = L.rms_norm(x, p["mlp_norm"], c.rms_norm_eps)
-            x = x + (jax.nn.silu(h @ p["gate"]) * (h @ p["up"])) @ p["down"]
+            mlp = jax.nn.silu(L.dense(h, p["gate"], tile)) * L.dense(h, p["up"], tile)
+            x = x + L.dense(mlp, p["down"], tile)
             if hook is not None:
                 x = hook(f"resid.{i}", x)
         x = L.rms_norm(x, params["final_norm"], c.rms_norm_eps)
         if hook is not None:
             x = hook("final_norm", x)
-        head = params["embed"].T if c.tie_word_embeddings else params["lm_head"]
-        return jnp.dot(x, head, preferred_element_type=jnp.float32)
+        tied = c.tie_word_embeddings
+        return L.dense(x, params["embed"] if tied else params["lm_head"], tile, transpose=tied,
+                       out_dtype=jnp.float32)

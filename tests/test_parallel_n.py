@@ -1,5 +1,8 @@
 """Parallel sampling (`SamplingParams.n`) in the device core: one prefill, n adjacent rows,
-sample i keyed by fold_in(request key, i) (SPEC X1: reproducible from the seed)."""
+sample 0 keyed by the request key, sample i >= 1 by fold_in(request key, i) (SPEC X1:
+reproducible from the seed; sample 0 is the request with n = 1)."""
+
+import dataclasses
 
 import jax
 import numpy as np
@@ -40,8 +43,18 @@ def test_n_sample_keys_fold_in_the_index(tiny):
     state, rows_sp, _ = decode.prepare(model, params, [[5, 6]], sp, None, None)
     assert len(rows_sp) == 3
     base = jax.random.key(7)
-    want = np.stack([jax.random.key_data(jax.random.fold_in(base, i)) for i in range(3)])
+    want = np.stack([jax.random.key_data(base)]
+                    + [jax.random.key_data(jax.random.fold_in(base, i)) for i in (1, 2)])
     np.testing.assert_array_equal(np.asarray(state.rows.keys), want)
+
+
+def test_n_sample_0_is_the_request_alone(tiny):
+    model, params = tiny
+    sp = jd.SamplingParams(seed=21, max_tokens=10, ignore_eos=True)
+    alone = jd.generate(model, params, [[5, 6, 7]], sp)
+    three = jd.generate(model, params, [[5, 6, 7]], dataclasses.replace(sp, n=3))
+    assert three.tokens(0) == alone.tokens(0)
+    assert three.tokens(1) != alone.tokens(0) or three.tokens(2) != alone.tokens(0)
 
 
 def test_n_greedy_rows_share_the_prompt_cache(tiny):
