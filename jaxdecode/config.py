@@ -31,7 +31,7 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
-from jaxdecode.constraints.formats import validate_response_format
+from jaxdecode.response_format import validate_response_format
 
 OUTPUT_KINDS = ("delta", "cumulative", "final_only")
 MAX_LOGPROBS = 20  # the most top log-probabilities a request may ask for per token

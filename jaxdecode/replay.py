@@ -34,7 +34,7 @@ import jax
 import numpy as np
 
 from jaxdecode.config import SamplingParams
-from jaxdecode.processors import PROCESSOR_ORDER
+from jaxdecode.device.processors import PROCESSOR_ORDER
 from jaxdecode.host.stop import STOP_RULE_VERSION
 
 RECORD_FORMAT = "jaxdecode.record/1"
@@ -212,8 +212,8 @@ def environment_differences(record: GenerationRecord, llm: Any) -> list:
 
 def divergence_details(llm: Any, record: GenerationRecord, step: int, actual: list) -> dict:
     """Raw logits and processed probabilities of both tokens at a divergent step."""
-    from jaxdecode import decode
-    from jaxdecode.processors import process_logits
+    from jaxdecode.device import decode
+    from jaxdecode.device.processors import process_logits
 
     sp = record.sampling
     prefix = record.token_ids[:step - 1]

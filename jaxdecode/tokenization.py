@@ -24,3 +24,18 @@ def eos_token_id(tokenizer: Any) -> Optional[int]:
             if tid is not None:
                 return int(tid)
     return None
+
+
+def bytes_to_unicode() -> dict:
+    """GPT-2's byte -> printable character map used by ByteLevel vocabularies."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
+        range(ord("®"), ord("ÿ") + 1)
+    )
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}

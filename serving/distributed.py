@@ -29,7 +29,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxdecode import step_ops
+from jaxdecode.engine import step_ops
 
 logger = logging.getLogger(__name__)
 

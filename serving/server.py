@@ -161,7 +161,7 @@ def main(args: Any) -> int:
     finally:
         llm.close()
         if hook is not None:  # the engine thread has stopped: the followers may return
-            from jaxdecode import step_ops
+            from jaxdecode.engine import step_ops
             hook.publish(step_ops.stop())
     return 0
 

@@ -21,8 +21,9 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import jaxdecode as jd
 import models
-from jaxdecode import decode, step_ops
-from jaxdecode.state import RowParams
+from jaxdecode.device import decode
+from jaxdecode.engine import step_ops
+from jaxdecode.device.state import RowParams
 
 FAMILIES = ["llama", "llama3", "mistral", "qwen2", "gpt2", "demo"]
 BATCHES = (1, 2, 3, 7, 16)

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 import jaxdecode as jd
-from jaxdecode import constraints, decode
-from jaxdecode.constraints import tables as ctables
+from jaxdecode.device import constraints, decode
+from jaxdecode.device.constraints import tables as ctables
 from jaxdecode.tokenization import encode
 from tests.scripted import ScriptedModel
 

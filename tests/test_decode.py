@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import jaxdecode as jd
-from jaxdecode import decode
+from jaxdecode.device import decode
 from models import Llama, LlamaConfig
 from tests.scripted import ScriptedModel
 
@@ -194,7 +194,7 @@ def test_consistency_O3_detects_a_broken_cache(tiny):
 def test_sampling_draws_follow_the_processed_distribution():
     from scipy.stats import chisquare
 
-    from jaxdecode.sampling import inverse_cdf
+    from jaxdecode.device.sampling import inverse_cdf
 
     p = np.array([0.1, 0.0, 0.5, 0.15, 0.25])
     keys = jax.random.split(jax.random.key(0), 50000)

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 import jaxdecode as jd
-from jaxdecode import step_ops
-from jaxdecode.constraints.tables import GrammarTables
-from jaxdecode.state import RowParams
+from jaxdecode.engine import step_ops
+from jaxdecode.device.constraints.tables import GrammarTables
+from jaxdecode.device.state import RowParams
 from serving import distributed as dist
 from tests.serve_process import free_port
 
@@ -170,7 +170,7 @@ MESH_SCRIPT = textwrap.dedent(r"""
     import numpy as np
     import jaxdecode as jd
     import models
-    from jaxdecode import step_ops
+    from jaxdecode.engine import step_ops
     from models import Llama, LlamaConfig
     from serving import distributed as dist
     from tests.host_fixtures import byte_level_from_table

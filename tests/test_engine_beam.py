@@ -198,7 +198,7 @@ def test_beam_engine_X_replay_reruns_a_beam_record(model, tok):
 
 
 def test_beam_engine_failed_call_fails_its_requests_only(model, tok, monkeypatch):
-    from jaxdecode import step_ops
+    from jaxdecode.engine import step_ops
 
     def broken(*args, **kw):
         raise RuntimeError("injected device failure")

@@ -24,7 +24,7 @@ def test_the_graph_reads_the_repository(repo):
     assert repo.exists("jaxdecode.host.stop") and repo.exists("serving.server")
     assert repo.exists("jaxdecode.cli") and repo.exists("models.hf")
     assert "jaxdecode.types" in repo.imports["jaxdecode.host.stream"]
-    assert "jax" in repo.imports["jaxdecode.decode"] and "models" in repo.imports["serving.loading"]
+    assert "jax" in repo.imports["jaxdecode.device.decode"] and "models" in repo.imports["serving.loading"]
 
 
 @pytest.mark.parametrize("rule", sorted(RULES))

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import jaxdecode as jd
-from jaxdecode import decode
+from jaxdecode.device import decode
 from models import Llama, LlamaConfig
 
 

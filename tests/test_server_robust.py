@@ -22,7 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 import jaxdecode as jd
-from jaxdecode import constraints
+from jaxdecode.device import constraints
 from serving.app import create_app
 from serving.server import ServerThread
 from tests.host_fixtures import byte_tokenizer

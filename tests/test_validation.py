@@ -11,10 +11,10 @@ import time
 import pytest
 
 import jaxdecode as jd
-from jaxdecode import constraints
-from jaxdecode.constraints import limits
-from jaxdecode.constraints.formats import MAX_NODES
-from jaxdecode.constraints.worker import CompileBudget, WorkerPool
+from jaxdecode.device import constraints
+from jaxdecode.device.constraints import limits
+from jaxdecode.response_format import MAX_NODES
+from jaxdecode.device.constraints.worker import CompileBudget, WorkerPool
 from tests.host_fixtures import byte_tokenizer
 from tests.scripted import ScriptedModel
 

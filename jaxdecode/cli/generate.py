@@ -24,7 +24,7 @@ def sampling_from_args(args):
 
 
 def cmd_generate(args) -> int:
-    from jaxdecode.decode import bucket
+    from jaxdecode.device.decode import bucket
     from jaxdecode.engine import LLM
     from jaxdecode.tokenization import encode
 
@@ -92,7 +92,7 @@ def _generate_beams(args, model, params, tokenizer, prompt, prompt_ids, sp) -> i
     """Beam search through the engine's beam lane (`SamplingParams(num_beams=...)`): the best
     hypothesis, or every beam with its score under --json. Not streamed (beams are final only
     at the end); --temperature does not apply (beams rank raw log-probabilities)."""
-    from jaxdecode.decode import bucket
+    from jaxdecode.device.decode import bucket
     from jaxdecode.engine import LLM
 
     early = {"true": True, "false": False, "never": "never"}[args.early_stopping]

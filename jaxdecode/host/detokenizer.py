@@ -65,6 +65,7 @@ import threading
 import weakref
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
+from jaxdecode.tokenization import bytes_to_unicode
 from jaxdecode.types import DecodingError
 
 __all__ = [
@@ -77,22 +78,6 @@ __all__ = [
 _ERRORS = ("strict", "replace")
 _MODES = ("auto", "bytes", "window")
 _REPLACEMENT = "\ufffd"
-
-
-def bytes_to_unicode() -> dict:
-    """GPT-2's byte -> printable character map used by ByteLevel vocabularies."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
-        range(ord("®"), ord("ÿ") + 1)
-    )
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(bs, cs)}
-
 
 _BYTE_DECODER = {c: b for b, c in bytes_to_unicode().items()}
 _BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")

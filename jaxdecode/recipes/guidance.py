@@ -30,8 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdecode.config import SamplingParams
-from jaxdecode.decode import GenerateOutput, generate
-from jaxdecode.research import LogitProcessor
+from jaxdecode.device.decode import GenerateOutput, generate
+from jaxdecode.device.research import LogitProcessor
 
 Array = jax.Array
 

@@ -28,7 +28,7 @@ from typing import Any, Optional, Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdecode.research import LogitProcessor
+from jaxdecode.device.research import LogitProcessor
 from jaxdecode.tokenization import encode
 
 SCALE = 16777216.0  # 2**24: gamma's resolution in the green test

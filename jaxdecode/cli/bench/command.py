@@ -180,7 +180,7 @@ def cmd_bench(args) -> int:
         from serving import loadtest
 
         return loadtest.main(args)
-    from jaxdecode.decode import compilation_count
+    from jaxdecode.device.decode import compilation_count
 
     _settle(args)
     default_batches = (1, 4) if args.quick else ((1, 4, 16, 32) if args.report else (1, 16))

@@ -10,7 +10,7 @@ from typing import Sequence
 
 from jaxdecode.cli.bench.timing import median_time, prompts
 from jaxdecode.config import SamplingParams
-from jaxdecode.decode import compilation_count, generate
+from jaxdecode.device.decode import compilation_count, generate
 
 
 def _stop_strings(n: int) -> list[str]:

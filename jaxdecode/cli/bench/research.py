@@ -19,8 +19,8 @@ def time_research(model, params, batches: Sequence[int] = (1, 16), steps: int = 
                   repeats: int = 5, capture_layer: int = 1) -> dict:
     """Chained `decode_step_jit` time per mode (rows sampled, T = 1): "none", "processor",
     "capture" (one layer's hidden state) and "both", measured round-robin in one process."""
-    from jaxdecode import research
-    from jaxdecode.decode import decode_step_jit, prepare
+    from jaxdecode.device import research
+    from jaxdecode.device.decode import decode_step_jit, prepare
 
     options = {"none": {},
                "processor": dict(processors=[research.LogitProcessor(_trivial_processor)]),

@@ -7,7 +7,7 @@ from typing import Optional, Sequence
 
 from jaxdecode.cli.bench.timing import BenchConfig, prompts, timed
 from jaxdecode.config import SamplingParams
-from jaxdecode.decode import generate
+from jaxdecode.device.decode import generate
 
 
 def time_beam_search(model, params, cfg: BenchConfig, batch: int = 1, num_beams: int = 4,
@@ -17,7 +17,7 @@ def time_beam_search(model, params, cfg: BenchConfig, batch: int = 1, num_beams:
     EOS is disabled for both (every beam runs to `new_tokens`), so the work is fixed:
     tokens_per_s counts output tokens of the returned sequences (batch * new_tokens / s);
     beam_row_tokens_per_s counts every beam's tokens (x num_beams)."""
-    from jaxdecode.beam import beam_search
+    from jaxdecode.device.beam import beam_search
 
     ids = [list(p) for p in prompt_ids] if prompt_ids is not None else prompts(
         batch, cfg.prompt_len, model.config.vocab_size, cfg.seed)
@@ -64,7 +64,7 @@ def time_speculative(target, target_params, draft=None, draft_params=None,
 
     Reports tokens/s of each, the speed-up, the mean accepted length (tokens per target verify
     pass; 1.0 means the draft never helps) and the acceptance rate (accepted / proposed)."""
-    from jaxdecode.speculative import PROMPT_LOOKUP, speculative_generate
+    from jaxdecode.device.speculative import PROMPT_LOOKUP, speculative_generate
 
     cfg = cfg or BenchConfig()
     ids = [list(p) for p in prompt_ids] if prompt_ids is not None else prompts(

@@ -46,8 +46,8 @@ def time_constraints(model, params, tokenizer, batches: Sequence[int] = (1, 16),
     same process so that machine load hits every mode alike. Rows that end early keep paying
     the full step (the step is computed for every row), so the figures compare like with like.
     """
-    from jaxdecode import constraints
-    from jaxdecode.decode import decode_step_jit, prepare
+    from jaxdecode.device import constraints
+    from jaxdecode.device.decode import decode_step_jit, prepare
     from jaxdecode.tokenization import encode
 
     cfg = model.config

@@ -13,7 +13,7 @@ import jax
 from jaxdecode.cli.bench.timing import (BenchConfig, gemv_bandwidth, machine, median_time, prompts,
                                         step_bytes)
 from jaxdecode.config import SamplingParams
-from jaxdecode.decode import compilation_count, generate
+from jaxdecode.device.decode import compilation_count, generate
 
 
 def time_jaxdecode(model, params, batch: int, cfg: BenchConfig) -> dict:

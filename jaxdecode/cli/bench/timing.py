@@ -85,7 +85,7 @@ def step_times(runs: dict, steps: int, repeats: int) -> dict:
     in the same process so that machine load hits every mode alike, after one warm-up round.
     Keys: <mode>_step_ms (median), <mode>_step_ms_min (least disturbed by load),
     <mode>_overhead vs the first mode, compiles_warmup, compiles_after_warmup."""
-    from jaxdecode.decode import compilation_count
+    from jaxdecode.device.decode import compilation_count
 
     def chain(step, state) -> float:  # seconds per step
         state = jax.block_until_ready(jax.tree.map(jnp.copy, state))

@@ -33,8 +33,8 @@ import threading
 import time
 from typing import Callable, Optional
 
-from jaxdecode.constraints import index_worker, limits
-from jaxdecode.constraints.formats import fail
+from jaxdecode.device.constraints import index_worker, limits
+from jaxdecode.response_format import fail
 
 MAX_WORKERS = 2   # concurrent compiles per memory limit (each uses a core)
 _POLL_S = 0.05

@@ -15,11 +15,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxdecode import research as research_lib
+from jaxdecode.device import research as research_lib
 from jaxdecode.config import SamplingParams
 from jaxdecode.model_api import params_dtype
 from jaxdecode.model_api import DecoderModel, cache_sharding, fit_spec
-from jaxdecode.state import RowParams, StepState
+from jaxdecode.device.state import RowParams, StepState
 
 
 def empty_state(model: DecoderModel, params: Any, slots: int, max_len: int,

@@ -19,8 +19,8 @@ import threading
 import weakref
 from typing import Any, Optional, Sequence
 
-from jaxdecode.constraints.formats import fail
-from jaxdecode.host.detokenizer import bytes_to_unicode
+from jaxdecode.response_format import fail
+from jaxdecode.tokenization import bytes_to_unicode
 
 
 _BYTE_DECODER = {c: b for b, c in bytes_to_unicode().items()}

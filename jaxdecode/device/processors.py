@@ -25,10 +25,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdecode import numerics
+from jaxdecode.device import numerics
 from jaxdecode.config import SamplingParams
-from jaxdecode.constraints import tables as constraint_tables
-from jaxdecode.state import RowParams
+from jaxdecode.device.constraints import tables as constraint_tables
+from jaxdecode.device.state import RowParams
 
 PROCESSOR_ORDER = "v1"
 Array = jax.Array

@@ -28,12 +28,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdecode import constraints, hooks, numerics, processors, research as research_lib
-from jaxdecode import sampling as sampling_lib
+from jaxdecode.device import constraints, hooks, numerics, processors, research as research_lib
+from jaxdecode.device import sampling as sampling_lib
 from jaxdecode.config import SamplingParams
 from jaxdecode.model_api import DecoderModel, KVCache, params_dtype
 from jaxdecode.prompts import token_rows
-from jaxdecode.state import (ALL_MASKED, CONTEXT_LIMIT, EOS, GRAMMAR_COMPLETE, GRAMMAR_DEAD_END,
+from jaxdecode.device.state import (ALL_MASKED, CONTEXT_LIMIT, EOS, GRAMMAR_COMPLETE, GRAMMAR_DEAD_END,
                              MAX_TOKENS, MODEL_ERROR, RUNNING, STOP_TOKEN, RowParams, StepOutput,
                              StepState, seed_key_data)
 from jaxdecode.types import ErrorCode, FinishReason

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jaxdecode.constraints.compile import CompiledIndex
+from jaxdecode.device.constraints.compile import CompiledIndex
 
 Array = jax.Array
 

@@ -75,15 +75,17 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 import jax
 import numpy as np
 
-from jaxdecode import admission, beam_lane, constraints, decode, faults, numerics
-from jaxdecode import speculative_engine
+from jaxdecode.engine import admission, beam_lane, faults
+from jaxdecode.device import constraints, decode, numerics
+from jaxdecode.engine import speculative_engine
 from jaxdecode import replay as replay_lib
-from jaxdecode import request_state, research, step_ops
+from jaxdecode.engine import request_state, step_ops
+from jaxdecode.device import research
 from jaxdecode.config import MAX_LOGPROBS, SamplingParams
 from jaxdecode.host import Lifecycle, OrderedStream, TextPipeline
 from jaxdecode.model_api import DecoderModel
 from jaxdecode.prompts import token_row, token_rows
-from jaxdecode.state import EOS, RUNNING, STOP_TOKEN, RowParams, seed_key_data
+from jaxdecode.device.state import EOS, RUNNING, STOP_TOKEN, RowParams, seed_key_data
 from jaxdecode.tokenization import encode, eos_token_id
 from jaxdecode.types import (Completion, DecodingError, ErrorCode, FinishReason, RequestState,
                              TokenLogprob, Usage)

@@ -7,7 +7,7 @@ from typing import Any, Optional, Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdecode.decode import bucket, params_dtype
+from jaxdecode.device.decode import bucket, params_dtype
 from jaxdecode.model_api import DecoderModel
 
 # Declared tolerances per parameter dtype: (rtol, atol) on logits.

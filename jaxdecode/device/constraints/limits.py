@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import re
 
-from jaxdecode.constraints.formats import fail
+from jaxdecode.response_format import fail
 
 MAX_STATES = 20_000          # the default automaton state cap (CompileBudget.max_states)
 MAX_PATTERN_CHARS = 1 << 18  # characters of the regex handed to outlines-core

@@ -12,7 +12,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from jaxdecode.state import RowParams
+from jaxdecode.device.state import RowParams
 
 Array = jax.Array
 

@@ -56,7 +56,7 @@ import json
 import logging
 from typing import Any
 
-from jaxdecode import admission, faults, step_ops
+from jaxdecode.engine import admission, faults, step_ops
 from jaxdecode.types import ErrorCode, FinishReason, RequestState
 
 logger = logging.getLogger(__name__)

@@ -63,10 +63,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdecode import constraints, decode, numerics
-from jaxdecode import research as research_lib
+from jaxdecode.device import constraints, decode, numerics
+from jaxdecode.device import research as research_lib
 from jaxdecode.config import SamplingParams
-from jaxdecode.decode import GenerateOutput, bucket
+from jaxdecode.device.decode import GenerateOutput, bucket
 from jaxdecode.model_api import DecoderModel, KVCache
 from jaxdecode.prompts import token_rows
 from jaxdecode.types import FinishReason

@@ -43,13 +43,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdecode import decode
+from jaxdecode.device import decode
 from jaxdecode.config import SamplingParams
 from jaxdecode.model_api import DecoderModel
-from jaxdecode.speculative import (PROMPT_LOOKUP, RoundOutput, SpecState, check_branches_greedy,
+from jaxdecode.device.speculative import (PROMPT_LOOKUP, RoundOutput, SpecState, check_branches_greedy,
                                    check_num_branches, spec_round)
-from jaxdecode.slots import keep_tables
-from jaxdecode.state import RowParams
+from jaxdecode.device.slots import keep_tables
+from jaxdecode.device.state import RowParams
 
 COUNTERS = ("proposed", "accepted", "target_tokens", "iterations")
 

@@ -6,10 +6,10 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from jaxdecode.constraints.compile import IndexCache, compile_format
-from jaxdecode.constraints.formats import fail
-from jaxdecode.constraints.tables import DENSE_MAX_ENTRIES, TableBundle, build_tables
-from jaxdecode.constraints.vocab import vocab_for
+from jaxdecode.device.constraints.compile import IndexCache, compile_format
+from jaxdecode.response_format import fail
+from jaxdecode.device.constraints.tables import DENSE_MAX_ENTRIES, TableBundle, build_tables
+from jaxdecode.device.constraints.vocab import vocab_for
 
 
 def prepare_rows(sampling: Sequence[Any], tokenizer: Any, vocab_size: int,

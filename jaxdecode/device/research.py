@@ -77,8 +77,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jaxdecode import hooks
-from jaxdecode.hooks import static_signature
+from jaxdecode.device import hooks
+from jaxdecode.device.hooks import static_signature
 from jaxdecode.model_api import DecoderModel, hidden_state_point
 
 Array = jax.Array

@@ -100,13 +100,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from jaxdecode import constraints, decode, numerics, processors, sampling
-from jaxdecode import research as research_lib
+from jaxdecode.device import constraints, decode, numerics, processors, sampling
+from jaxdecode.device import research as research_lib
 from jaxdecode.config import SamplingParams
-from jaxdecode.decode import ERRORS, FAILED_CODES, FINISH_REASONS, GenerateOutput, bucket
+from jaxdecode.device.decode import ERRORS, FAILED_CODES, FINISH_REASONS, GenerateOutput, bucket
 from jaxdecode.model_api import DecoderModel
 from jaxdecode.prompts import token_rows
-from jaxdecode.state import (ALL_MASKED, CONTEXT_LIMIT, EOS, GRAMMAR_COMPLETE, GRAMMAR_DEAD_END,
+from jaxdecode.device.state import (ALL_MASKED, CONTEXT_LIMIT, EOS, GRAMMAR_COMPLETE, GRAMMAR_DEAD_END,
                              MAX_TOKENS, MODEL_ERROR, RUNNING, STOP_TOKEN, RowParams)
 
 Array = jax.Array

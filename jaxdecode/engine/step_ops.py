@@ -32,12 +32,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxdecode import decode, numerics, slots, speculative_engine
-from jaxdecode.beam import beam_search
+from jaxdecode.device import decode, numerics, slots
+from jaxdecode.engine import speculative_engine
+from jaxdecode.device.beam import beam_search
 from jaxdecode.config import SamplingParams
-from jaxdecode.constraints.tables import GrammarTables
+from jaxdecode.device.constraints.tables import GrammarTables
 from jaxdecode.model_api import DecoderModel
-from jaxdecode.state import RowParams, StepState
+from jaxdecode.device.state import RowParams, StepState
 
 VERSION = 1
 INIT, ADMIT, RESTORE, GRAMMAR, FLAGS, STEP, RESET, WARMUP, STOP, BEAM = range(1, 11)

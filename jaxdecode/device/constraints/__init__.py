@@ -43,16 +43,16 @@ int32 per row and must move with the KV cache.
     as `cache.lengths` is rolled back. Rollback is setting the int32, never copying tables.
 """
 
-from jaxdecode.constraints import limits
-from jaxdecode.constraints.compile import (CACHE, CompiledIndex, IndexCache, cache_info,
+from jaxdecode.device.constraints import limits
+from jaxdecode.device.constraints.compile import (CACHE, CompiledIndex, IndexCache, cache_info,
                                            compile_format, compile_regex)
-from jaxdecode.constraints.worker import CompileBudget, worker_info
-from jaxdecode.constraints.formats import regex_for, validate_response_format
-from jaxdecode.constraints.tables import (DEAD, GrammarTables, TableBundle, build_tables,
+from jaxdecode.device.constraints.worker import CompileBudget, worker_info
+from jaxdecode.response_format import regex_for, validate_response_format
+from jaxdecode.device.constraints.tables import (DEAD, GrammarTables, TableBundle, build_tables,
                                           completes, mask_logits, next_state,
                                           state_path)
-from jaxdecode.constraints.vocab import TokenVocab, vocab_for
-from jaxdecode.constraints.batch import prepare_rows
+from jaxdecode.device.constraints.vocab import TokenVocab, vocab_for
+from jaxdecode.device.constraints.batch import prepare_rows
 
 __all__ = [
     "CACHE", "CompileBudget", "CompiledIndex", "DEAD", "GrammarTables", "IndexCache", "TableBundle", "TokenVocab",

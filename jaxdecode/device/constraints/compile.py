@@ -35,11 +35,11 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from jaxdecode.constraints import limits
-from jaxdecode.constraints.formats import fail, regex_for, validate_response_format
-from jaxdecode.constraints.index_worker import index_tables
-from jaxdecode.constraints.vocab import TokenVocab
-from jaxdecode.constraints.worker import CompileBudget, compile_in_worker
+from jaxdecode.device.constraints import limits
+from jaxdecode.response_format import fail, regex_for, validate_response_format
+from jaxdecode.device.constraints.index_worker import index_tables
+from jaxdecode.device.constraints.vocab import TokenVocab
+from jaxdecode.device.constraints.worker import CompileBudget, compile_in_worker
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxdecode import decode
+from jaxdecode.device import decode
 from jaxdecode.config import SamplingParams
 
 MAX_NUM_BEAMS = 16
