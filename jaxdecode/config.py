@@ -1,11 +1,11 @@
 """`SamplingParams`: one request's decoding settings, validated on construction.
 
 Every invalid value raises `ValueError` whose message starts with the field name, so the HTTP
-layer can report `param`. Settings are plain host data; `jaxdecode.state.RowParams` turns a
+layer can report `param`. Settings are plain host data; `jaxdecode.device.state.RowParams` turns a
 batch of them into per-row device arrays, so new values never recompile.
 
 Beam search (SPEC §10, HF `generate` names): `num_beams > 1` makes the engine run the request
-by `jd.beam_search` (jaxdecode/beam_lane.py) with `length_penalty` and `early_stopping`
+by `jd.beam_search` (jaxdecode/engine/beam_lane.py) with `length_penalty` and `early_stopping`
 (True / False / "never"); `n` is the number of beams returned (HF's `num_return_sequences`, the
 `n` of vLLM's beam search), at most `num_beams`. Beam search ranks raw log-probabilities (HF
 with `do_sample=False`), so a beam request takes no sampling processor: temperature must be 0
@@ -144,7 +144,7 @@ class SamplingParams:
         set_("stop_token_ids", self._normalise_stop_ids(self.stop_token_ids))
         set_("banned_token_ids", self._normalise_ids("banned_token_ids", self.banned_token_ids))
         set_("logit_bias", self._normalise_bias(self.logit_bias))
-        # shape only (cheap, no tokenizer); compiled at submission (jaxdecode/constraints)
+        # shape only (cheap, no tokenizer); compiled at submission (jaxdecode/device/constraints)
         set_("response_format", validate_response_format(self.response_format))
         self._check_beams()
 

@@ -79,7 +79,7 @@ class DecoderModel(Protocol):
     A model may also accept an optional static keyword `kv_len`: attend to cache positions
     [0, kv_len) only (the decoder passes it when every row is shorter; models without it work).
 
-    Hook points (optional, jaxdecode/hooks.py): a model that accepts the keyword `hook` calls
+    Hook points (optional, jaxdecode/device/hooks.py): a model that accepts the keyword `hook` calls
     `x = hook(name, x)` at each point of `hook_points(config.num_layers)`, in that order, with
     `x` the activation [B, T, hidden] of this call's tokens, and continues with the returned
     value (same shape and dtype). `hook=None` (the default) must leave the computation exactly

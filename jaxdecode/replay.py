@@ -129,7 +129,7 @@ def build_record(*, model_hash: str, model_config: Any, model_source: Optional[s
                  processors: Optional[tuple] = None,
                  batch_invariance: Optional[dict] = None) -> GenerationRecord:
     """The record of one request; `processors`: the stage order with custom processors
-    (jaxdecode/research.py), recorded only when there are some."""
+    (jaxdecode/device/research.py), recorded only when there are some."""
     prompt = {"ids": list(prompt_ids), "text": prompt_text,
               "bytes_b64": (base64.b64encode(prompt_text.encode()).decode()
                             if prompt_text is not None else None),

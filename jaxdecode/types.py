@@ -64,13 +64,49 @@ class Usage:
 
 @dataclasses.dataclass(frozen=True)
 class Event:
-    """One trace or stream event. `seq` is set for stream events (start, delta, terminal)."""
+    """One trace or stream event. `seq` is set for stream events (start, delta, terminal).
+
+    The typed views below read a stream event's fields: a `delta` has `text`, and when its
+    request asked for logprobs the `logprobs` entries (`TokenLogprob`) of its newly returned
+    tokens with each one's `offsets` in the returned text; a terminal event (`completed`,
+    `cancelled`, `failed`) has `finish_reason`, `stop` (the stop string or ids that ended it,
+    None otherwise), `usage` and, when failed, `error`."""
 
     kind: str
     request_id: str
     seq: Optional[int] = None
     data: dict = dataclasses.field(default_factory=dict)
     time: float = 0.0
+
+    @property
+    def text(self) -> str:
+        return self.data.get("text", "")
+
+    @property
+    def logprobs(self) -> Optional[tuple]:
+        return self.data.get("logprobs")
+
+    @property
+    def offsets(self) -> tuple:
+        return self.data.get("offsets", ())
+
+    @property
+    def finish_reason(self) -> Optional[FinishReason]:
+        reason = self.data.get("finish_reason")
+        return None if reason is None else FinishReason(reason)
+
+    @property
+    def error(self) -> Optional[ErrorCode]:
+        error = self.data.get("error")
+        return None if error is None else ErrorCode(error)
+
+    @property
+    def stop(self) -> Optional[Any]:
+        return self.data.get("stop")
+
+    @property
+    def usage(self) -> Optional[Usage]:
+        return self.data.get("usage")
 
 
 @dataclasses.dataclass(frozen=True)

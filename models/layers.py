@@ -218,7 +218,7 @@ class CachedDecoder:
         """The protocol's forward: each layer's K/V is written at its absolute positions
         (padding dropped); `kv_len` (static, optional) limits attention to the first kv_len
         cache positions when the caller knows every row is shorter; `hook(name, x) -> x` is
-        called at each of `model_api.hook_points` (jaxdecode/hooks.py)."""
+        called at each of `model_api.hook_points` (jaxdecode/device/hooks.py)."""
         write_pos = write_positions(positions, lengths, cache.max_len)
         kv_len = cache.max_len if kv_len is None else min(kv_len, cache.max_len)
         k_pos = jnp.arange(kv_len, dtype=jnp.int32)

@@ -61,7 +61,7 @@ import os
 import threading
 import time
 import uuid
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import anyio
 from fastapi import FastAPI, Request
@@ -96,11 +96,11 @@ _CLIENT_ERRORS = {ErrorCode.ALL_TOKENS_MASKED: "logit_bias",
 def _ended(handle: Any) -> bool:
     """The terminal event is in the stream (the lifecycle state turns terminal a moment before
     its event is appended, so the state alone is not enough to read the event)."""
-    return handle.lifecycle.stream.finished
+    return handle.terminal_event is not None
 
 
 def _terminal(handle: Any):
-    return handle.lifecycle.stream.terminal_event
+    return handle.terminal_event
 
 
 def _failure(data: dict) -> ApiError:
@@ -231,16 +231,14 @@ class Server:
             self._token_texts[token_id] = text
         return text
 
-    def logprobs_object(self, h: Any, entries: Optional[tuple], first: int, chat: bool,
+    def logprobs_object(self, entries: Optional[tuple], offsets: Sequence[int], chat: bool,
                         tracked: _Tracked) -> Optional[dict]:
-        """A choice's OpenAI logprobs for `entries`, the returned tokens `first`, `first + 1`,
-        ... of engine request `h`; None when the request did not ask for logprobs."""
+        """A choice's OpenAI logprobs for `entries` (returned tokens whose text begins at
+        `offsets`); None when the request did not ask for logprobs."""
         if tracked.top_logprobs is None or entries is None:
             return None
-        offsets = () if chat else [h.pipeline.token_offset(first + j)
-                                   for j in range(len(entries))]
         return format_logprobs(entries, tracked.top_logprobs, self.token_text, chat=chat,
-                               offsets=offsets)
+                               offsets=() if chat else offsets)
 
     # -- helpers ----------------------------------------------------------------------------------
 
@@ -276,7 +274,7 @@ class Server:
                            code="model_not_found")
 
     def label(self, handle: Any, tracked: _Tracked) -> str:
-        state = handle.lifecycle.state
+        state = handle.state
         term = _terminal(handle)
         data = term.data if term is not None else {}
         if state is RequestState.CANCELLED:
@@ -304,7 +302,7 @@ class Server:
             entry = {"engine_request_id": h.request_id, "finish_reason": label,
                      "usage": dataclasses.asdict(h.usage()), **timing}
             if self.log_prompts:
-                entry["text"] = h.pipeline.text
+                entry["text"] = h.text
             if self.record_dir:
                 self.write_record(h)
             choices.append(entry)
@@ -452,7 +450,7 @@ class Server:
                 pass
 
         for h in handles:
-            h.lifecycle.stream.add_listener(notify)
+            h.add_listener(notify)
         while True:
             wake.clear()
             if all(_ended(h) for h in handles):
@@ -486,7 +484,7 @@ class Server:
                 return error_response(_failure(data), tracked.request_id)
             usage = h.usage()
             completion_tokens += usage.selected_tokens
-            choices.append(self._final_choice(h, i, chat, tracked, text=h.pipeline.text))
+            choices.append(self._final_choice(h, i, chat, tracked))
         body = {"id": tracked.request_id,
                 "object": "chat.completion" if chat else "text_completion",
                 "created": int(time.time()), "model": self.model_name,
@@ -498,15 +496,15 @@ class Server:
     def _finish_fields(self, h: Any, tracked: _Tracked) -> dict:
         label = self.label(h, tracked)
         reason = openai_finish_reason(label) if label in FinishReason._value2member_map_ else "stop"
-        stop = None
-        for e in reversed(h.trace()):
-            if e.kind == "stop.hit":
-                stop = e.data.get("stop")
-                break
-        return {"finish_reason": reason, "jaxdecode_finish_reason": label, "stop_reason": stop}
+        term = _terminal(h)
+        stop = term.stop if term is not None else None
+        return {"finish_reason": reason, "jaxdecode_finish_reason": label,
+                "stop_reason": list(stop) if isinstance(stop, tuple) else stop}
 
-    def _final_choice(self, h: Any, i: int, chat: bool, tracked: _Tracked, text: str) -> dict:
-        logprobs = self.logprobs_object(h, h.returned_logprobs(), 0, chat, tracked)
+    def _final_choice(self, h: Any, i: int, chat: bool, tracked: _Tracked) -> dict:
+        entries, text = h.logprobs, h.text
+        offsets = [h.token_offset(j) for j in range(len(entries or ()))]
+        logprobs = self.logprobs_object(entries, offsets, chat, tracked)
         if chat:
             choice = {"index": i, "message": {"role": "assistant", "content": text},
                       "logprobs": logprobs}
@@ -538,10 +536,8 @@ class Server:
                 choice = {"index": i, "text": "", "logprobs": None, "finish_reason": None}
             return self._chunk(log, choice)
         if ev.kind == "delta":
-            text = ev.data.get("text", "")
-            entries = ev.data.get("logprobs")
-            logprobs = self.logprobs_object(h, entries, log.logprobs_sent[i], log.chat, tracked)
-            log.logprobs_sent[i] += len(entries or ())
+            text, entries = ev.text, ev.logprobs
+            logprobs = self.logprobs_object(entries, ev.offsets, log.chat, tracked)
             if log.chat:
                 choice = {"index": i, "delta": {"content": text}, "logprobs": logprobs,
                           "finish_reason": None}
@@ -569,16 +565,16 @@ class Server:
                 pass
 
         for h in log.handles:
-            h.lifecycle.stream.add_listener(notify)
+            h.add_listener(notify)
         live = list(range(len(log.handles)))
         try:
             while live:
                 wake.clear()
                 moved = False
                 for i in list(live):
-                    stream = log.handles[i].lifecycle.stream
+                    handle = log.handles[i]
                     while True:
-                        ev = stream.get_nowait()
+                        ev = handle.next_event()
                         if ev is None:
                             break
                         moved = True

@@ -129,7 +129,7 @@ def main(args: Any) -> int:
     try:
         llm = LLM(model, params, tokenizer, max_slots=args.max_slots, max_len=max_len,
                   max_queue=args.max_queue, model_source=args.model, mesh=mesh,
-                  speculative=speculative, step_hook=hook, **limits)
+                  speculative=speculative, step_hook=hook, params_hash=params_hash, **limits)
     except ValueError as e:  # on every process: a follower never waits for a failed leader
         raise flag_error(e)
     if distributed and jax.process_index() != 0:  # built only to check the flags
@@ -139,8 +139,6 @@ def main(args: Any) -> int:
                                     mesh=mesh)
         log_event("follower.stop", process=jax.process_index(), ops=applied)
         return 0
-    if params_hash is not None:
-        llm._hashes["params"] = params_hash
     name = args.model_name or (args.model if args.model == "demo"
                                else os.path.basename(os.path.normpath(args.model)))
     if args.warmup:

@@ -36,7 +36,6 @@ class ResponseLog:
         self.created = created
         self.prompt_tokens = prompt_tokens
         self.events: list[str] = []
-        self.logprobs_sent = [0] * len(handles)  # per choice: token logprobs already in chunks
         self.done = False
         self.finished_at: Optional[float] = None
         self.readers = 0

@@ -22,7 +22,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 import jaxdecode as jd
 import models
 from jaxdecode.device import decode
-from jaxdecode.engine import step_ops
+from jaxdecode.device import cache_ops
+from jaxdecode.engine import scheduler, step_ops
 from jaxdecode.device.state import RowParams
 
 FAMILIES = ["llama", "llama3", "mistral", "qwen2", "gpt2", "demo"]
@@ -76,8 +77,9 @@ def _probe_logits(model, params, prompts, settings_, slot):
     (the `lax.while_loop` of `jd.generate`), with its tokens. (The per-step driver -- the
     engine's step -- is checked at logit level by the engine test below.)"""
     state, _, _ = decode.prepare(model, params, prompts, settings_, None, None)
-    state = decode.pad_rows(state, len(prompts))  # as generate does: never one row
-    looped, bufs, _ = decode._generate_loop(model, params, state, STEPS, 0)
+    state = cache_ops.pad_rows(state, len(prompts))  # as generate does: never one row
+    looped, bufs, _ = decode._generate_loop(decode.LoopConfig(decode.StepConfig(model), STEPS),
+                                            params, state)
     return ([np.asarray(state.logits[slot]), np.asarray(looped.logits[slot])],
             np.asarray(bufs[0][slot]).tolist())
 
@@ -151,7 +153,7 @@ def _engine_logits(model, params, max_slots, max_len, probe, neighbours, slot):
     seen = [np.asarray(state.logits[slot])]
     for t in range(STEPS):
         longest = max(len(p) for p in prompts) + t + 1
-        kv_len = min(max(decode.bucket(longest), step_ops.KV_BUCKET_MIN), max_len)
+        kv_len = scheduler.kv_bucket(longest, max_len)
         state, _ = step_ops.apply(ctx, state, step_ops.step(kv_len))
         seen.append(np.asarray(state.logits[slot]))
     return seen

@@ -1,4 +1,4 @@
-"""Structured output (jaxdecode/constraints): SPEC §3 step 2 (grammar masks), P2 (dead end),
+"""Structured output (jaxdecode/device/constraints): SPEC §3 step 2 (grammar masks), P2 (dead end),
 §5 (grammar acceptance), P3/X1 (constrained neighbours change nothing), and the device tables
 against outlines-core's Index.
 
@@ -20,6 +20,7 @@ import pytest
 
 import jaxdecode as jd
 from jaxdecode.device import constraints, decode
+from jaxdecode.device import state as codes
 from jaxdecode.device.constraints import tables as ctables
 from jaxdecode.tokenization import encode
 from tests.scripted import ScriptedModel
@@ -105,7 +106,7 @@ def _scripted_run(script, rf, **kw):
     state, _, _ = decode.prepare(model, {}, [[3, 3]], sp, None, None, tokenizer=TINY_BYTES)
     outs = []
     for _ in range(6):
-        state, out = decode.decode_step_jit(model, {}, state, 0)
+        state, out = decode.decode_step_jit(state, {}, config=decode.StepConfig(model))
         outs.append((int(out.token[0]), int(out.finish[0]), int(state.cache.lengths[0])))
     return outs
 
@@ -113,15 +114,15 @@ def _scripted_run(script, rf, **kw):
 def test_grammar_complete_ends_row_and_last_token_not_written():
     # after the prompt (positions 0, 1) the model wants 2 ("a"), then 3 ("b"), then 3 ...
     outs = _scripted_run([0, 2, 3, 3, 3, 3, 3, 3], {"type": "regex", "pattern": "ab"})
-    assert outs[0] == (2, decode.RUNNING, 3)
-    assert outs[1] == (3, decode.GRAMMAR_COMPLETE, 3)  # selected, not written (O1)
+    assert outs[0] == (2, codes.RUNNING, 3)
+    assert outs[1] == (3, codes.GRAMMAR_COMPLETE, 3)  # selected, not written (O1)
     assert outs[2][0] == -1
 
 
 def test_grammar_S9_completion_on_last_allowed_token_reports_grammar_complete():
     outs = _scripted_run([0, 2, 3, 3, 3, 3, 3, 3], {"type": "regex", "pattern": "ab"},
                          max_tokens=2)
-    assert [o[:2] for o in outs[:2]] == [(2, decode.RUNNING), (3, decode.GRAMMAR_COMPLETE)]
+    assert [o[:2] for o in outs[:2]] == [(2, codes.RUNNING), (3, codes.GRAMMAR_COMPLETE)]
 
 
 def test_grammar_one_body_two_drivers_same_tokens():
@@ -139,18 +140,18 @@ def test_grammar_eos_allowed_exactly_in_accepting_states():
     # the model wants EOS at once; "ab?" does not accept the empty output, so "a" is forced;
     # after "a" the state accepts (and "b" could follow): EOS is allowed and ends the row.
     outs = _scripted_run([0, 1, 1, 1, 1, 1, 1, 1], {"type": "regex", "pattern": "ab?"})
-    assert [o[:2] for o in outs[:2]] == [(2, decode.RUNNING), (1, decode.EOS)]
+    assert [o[:2] for o in outs[:2]] == [(2, codes.RUNNING), (1, codes.EOS)]
     # ignore_eos: EOS is never allowed by the grammar; "b" completes it
     outs = _scripted_run([0, 1, 1, 1, 1, 1, 1, 1], {"type": "regex", "pattern": "ab?"},
                          ignore_eos=True)
-    assert [o[:2] for o in outs[:2]] == [(2, decode.RUNNING), (3, decode.GRAMMAR_COMPLETE)]
+    assert [o[:2] for o in outs[:2]] == [(2, codes.RUNNING), (3, codes.GRAMMAR_COMPLETE)]
 
 
 def test_grammar_P2_dead_end_scripted():
     outs = _scripted_run([0, 2, 2, 2, 2, 2, 2, 2], {"type": "regex", "pattern": "x[12]"},
                          banned_token_ids=(7, 8))
-    assert outs[0][:2] == (5, decode.RUNNING)               # "x"
-    assert outs[1][1] == decode.GRAMMAR_DEAD_END             # "1" and "2" are banned
+    assert outs[0][:2] == (5, codes.RUNNING)               # "x"
+    assert outs[1][1] == codes.GRAMMAR_DEAD_END             # "1" and "2" are banned
 
 
 def test_grammar_no_recompile_for_new_constraints_in_seen_buckets():

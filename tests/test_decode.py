@@ -6,6 +6,7 @@ import pytest
 
 import jaxdecode as jd
 from jaxdecode.device import decode
+from jaxdecode.device import state as codes
 from models import Llama, LlamaConfig
 from tests.scripted import ScriptedModel
 
@@ -98,7 +99,7 @@ def run_steps(model, prompt, sp, steps):
     state, _, _ = decode.prepare(model, {}, [prompt], sp, None, None)
     outs = []
     for _ in range(steps):
-        state, out = decode.decode_step_jit(model, {}, state, 0)
+        state, out = decode.decode_step_jit(state, {}, config=decode.StepConfig(model))
         outs.append((int(out.token[0]), int(out.finish[0]), int(state.cache.lengths[0])))
     return state, outs
 
@@ -109,7 +110,7 @@ def test_stop_O1_eos_is_selected_but_never_written():
     # prompt of 3 -> cache length 3; y1=5 written (4), y2=6 written (5), y3=EOS not written
     assert outs[0] == (5, 0, 4)
     assert outs[1] == (6, 0, 5)
-    assert outs[2] == (EOS, decode.EOS, 5)
+    assert outs[2] == (EOS, codes.EOS, 5)
     assert outs[3] == (-1, 0, 5)  # a finished row selects nothing more
     out = jd.generate(model, {}, [[3, 4, 2]], greedy(8))
     assert out.tokens(0) == [5, 6, EOS] and out.finish_reasons == [jd.FinishReason.EOS]
@@ -119,7 +120,7 @@ def test_stop_O1_max_tokens_last_token_not_written():
     model = ScriptedModel.make([0, 0, 5, 6, 7, 8], eos_token_ids=(EOS,))
     state, outs = run_steps(model, [3, 4, 2], greedy(3), 3)
     assert [o[0] for o in outs] == [5, 6, 7]
-    assert outs[2][1] == decode.MAX_TOKENS and outs[2][2] == 5
+    assert outs[2][1] == codes.MAX_TOKENS and outs[2][2] == 5
 
 
 def test_stop_S9_eos_on_last_allowed_token_reports_eos():

@@ -1,4 +1,4 @@
-"""Multi-host serving (jaxdecode/step_ops.py, serving/distributed.py): the step ops round-trip
+"""Multi-host serving (jaxdecode/engine/step_ops.py, serving/distributed.py): the step ops round-trip
 exactly; a follower replaying the leader's op stream gets the leader's step outputs bit for bit;
 the device broadcast runs under jit on a mesh of 8 simulated CPU devices; and
 `jaxdecode serve --distributed` works with two real processes (CPU collectives over gloo)."""

@@ -250,7 +250,7 @@ def test_engine_queue_full_and_close(tok):
                for h in handles)
     with pytest.raises(jd.EngineClosed):
         llm.submit([7])
-    assert not llm._thread.is_alive() and llm._thread.daemon
+    assert not llm._core._thread.is_alive() and llm._core._thread.daemon
 
 
 def test_engine_no_recompile_after_warmup_across_mixed_requests(tok):
@@ -294,7 +294,7 @@ def test_stream_T4_resume_after_seq_from_the_engine(tok):
     with engine([0] + [101, 102] * 20, tok) as llm:
         h = llm.submit([7, 8], greedy(20))
         c = h.result(timeout=30)
-        later = h.lifecycle.stream.events_after(3)
+        later = h.events_after(3)
     assert [e.seq for e in later] == list(range(4, later[-1].seq + 1))
     assert later[-1].kind == "completed"
     full = [e for e in c.events if e.seq is not None]

@@ -1,5 +1,5 @@
 """SPEC §10 beam search through the engine (`SamplingParams(num_beams > 1)`, the beam lane of
-jaxdecode/beam_lane.py): the same beams and scores as `jd.beam_search`, alongside running slot
+jaxdecode/engine/beam_lane.py): the same beams and scores as `jd.beam_search`, alongside running slot
 requests, stop strings on beams, cancellation and deadlines before the call, replay."""
 
 import threading
@@ -136,9 +136,9 @@ def test_beam_engine_bad_fields_name_the_field(model, tok):
 def test_beam_engine_C3_C4_cancel_and_deadline_before_the_call(model, tok):
     release = threading.Event()
     with jd.LLM(model, {}, tok, max_slots=2, max_len=64) as llm:
-        blocker = threading.Thread(target=llm._on_engine_thread, args=(lambda: release.wait(30),))
+        blocker = threading.Thread(target=llm._core.on_thread, args=(lambda: release.wait(30),))
         blocker.start()  # the engine thread waits at a safe point
-        while not llm._jobs and blocker.is_alive():
+        while not llm._core._jobs and blocker.is_alive():
             pass
         cancelled = llm.submit([7, 8], beams(num_beams=2, max_tokens=5))
         late = llm.submit([7, 8], beams(num_beams=2, max_tokens=5, deadline_s=0.01))

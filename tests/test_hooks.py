@@ -1,4 +1,4 @@
-"""Hook points, activation capture and interventions (issue #16, jaxdecode/hooks.py)."""
+"""Hook points, activation capture and interventions (issue #16, jaxdecode/device/hooks.py)."""
 
 import functools
 

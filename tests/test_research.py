@@ -1,4 +1,4 @@
-"""Research API (issue #16, jaxdecode/research.py): custom logit processors with state on every
+"""Research API (issue #16, jaxdecode/device/research.py): custom logit processors with state on every
 entry point, scores / logits outputs, step observers, the host callback, no recompiles."""
 
 import jax

@@ -210,7 +210,7 @@ def test_stream_T1_sse_ids_strictly_increase_and_done_is_last(client, server):
     assert finals[:-1] == [None] * (len(finals) - 1) and finals[-1] == "length"
     # n = 1: the SSE id of every chunk is the engine stream's seq (start, deltas, terminal)
     handle = server.app.state.server.registry.get(rid).handles[0]
-    engine_events = handle.lifecycle.stream.events_after(-1)
+    engine_events = handle.events_after(-1)
     assert [e.seq for e in engine_events] == ids[:-1]
     assert [e.kind for e in engine_events][0] == "start"
     assert engine_events[-1].kind == "completed"

@@ -55,7 +55,7 @@ SCRIPT = textwrap.dedent(r"""
             done = llm.generate(prompts, reqs)
             outs = [list(o.token_ids) for o in done]
             assert [e.token_id for e in done[0].logprobs] == outs[0]
-            st = llm._state
+            st = llm._core.state
             return outs, {"k": spec(st.cache.k), "lengths": spec(st.cache.lengths),
                           "last_token": spec(st.last_token)}
 

@@ -1,7 +1,7 @@
 """Validation is complete and happens once, before admission (issue #12): SamplingParams holds
 every value to its device dtype and range, `jd.LLM` checks the engine limits on the values it
-will use (`jaxdecode/admission.py`), and a constraint is held to size limits and compiled
-within a time / memory / state budget (`jaxdecode/constraints/limits.py`, `worker.py`). Every
+will use (`jaxdecode/engine/admission.py`), and a constraint is held to size limits and compiled
+within a time / memory / state budget (`jaxdecode/device/constraints/limits.py`, `worker.py`). Every
 violation is a ValueError naming the field, and a request already running is not touched."""
 
 from __future__ import annotations

@@ -22,8 +22,8 @@ every array is [B, W, ...] (the model sees B * W rows), and a step is
    cumulative score divided by (generated length) ** length_penalty -- or by
    max_new_tokens ** length_penalty when `early_stopping="never"` and length_penalty > 0 --
    against the worst finished score once the pool is full;
-6. the cache is reordered by a gather along the batch axis (`jnp.take` on k, v and lengths) and
-   the chosen tokens are written (one forward of B * W rows, T = 1).
+6. the cache is reordered by a gather along the batch axis (`cache_ops.take_rows`) and the
+   chosen tokens are written (one forward of B * W rows, T = 1).
 
 The search stops when every row can no longer change (its improvement heuristic failed, or its
 pool is full under `early_stopping=True`) or after `max_new_tokens` tokens. HF stops the whole
@@ -40,33 +40,40 @@ Results: the pool is kept sorted, so `token_ids` is the best hypothesis of each 
 `sequences` / `sequences_scores` order). Token lists include the EOS id that ended a beam.
 `logprobs` holds the raw model log-probability of each token of the best beam.
 
-Structured output (`response_format`, jaxdecode/constraints): the shared tables stay outside
+Structured output (`response_format`, jaxdecode/device/constraints): the shared tables stay outside
 the beams; each beam carries its grammar state, gathered with the same parent indices as the
 cache; the grammar mask is applied to the log-probabilities (as a logits processor, like the
 min_new_tokens mask); a hypothesis whose grammar completes is finished like one ending on EOS
 (finish reason `grammar_complete`). HF has no counterpart, so this part has no parity test.
 
-Custom processors (`processors=[jd.LogitProcessor, ...]`, jaxdecode/research.py) run after
+Custom processors (`processors=[jd.LogitProcessor, ...]`, jaxdecode/device/research.py) run after
 those masks on each beam's log-probabilities, every position in order, without renormalising
 (HF applies its logits processors to the log-softmax the same way). Each beam carries its own
 processor states, gathered with the same parent indices as the cache, and a finished
 hypothesis keeps the states it had when it finished (returned for the best one). A beam's
 context has no random key of its own: ctx.key derives from key data 0 and the step.
+
+The search state is one typed pytree, `BeamState`; its static configuration one frozen
+`BeamConfig`; the per-row settings (widths, limits, length penalty, ending ids, grammar,
+processor states) one `BeamRows`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
-from jaxdecode.device import constraints, decode, numerics
-from jaxdecode.device import research as research_lib
 from jaxdecode.config import SamplingParams
-from jaxdecode.device.decode import GenerateOutput, bucket
+from jaxdecode.device import cache_ops, constraints, decode, numerics
+from jaxdecode.device import research as research_lib
+from jaxdecode.device.decode import bucket
+from jaxdecode.device.outputs import GenerateOutput
 from jaxdecode.model_api import DecoderModel, KVCache
 from jaxdecode.prompts import token_rows
 from jaxdecode.types import FinishReason
@@ -76,10 +83,91 @@ EarlyStopping = Union[bool, str]
 NEG = -1.0e9  # HF's "very large negative" marker; added, never multiplied, as HF does
 
 
-def take_cache_rows(cache: KVCache, index: Array) -> KVCache:
-    """Rows `index` of a cache (gather along the batch axis): beam reorder and broadcast."""
-    return cache.replace(k=jnp.take(cache.k, index, axis=1), v=jnp.take(cache.v, index, axis=1),
-                         lengths=jnp.take(cache.lengths, index, axis=0))
+@dataclasses.dataclass(frozen=True)
+class BeamConfig:
+    """Static part of a search: the model, the beam width W (the widest row's), the output
+    buffer NB, the candidates per step K, HF's early_stopping, research options."""
+
+    model: DecoderModel
+    width: int
+    buffer_len: int
+    num_candidates: int
+    early_stopping: EarlyStopping
+    research: Optional[research_lib.ResearchConfig] = None
+
+    @property
+    def custom(self) -> bool:
+        return self.research is not None and bool(self.research.processors)
+
+
+@struct.dataclass
+class BeamRows:
+    """Per-row settings, B rows: widths int32[B]; max_new, min_new int32 and length_penalty f32
+    (scalars shared by the call); eos_mask bool[V] the ending ids; grammar tables, the initial
+    grammar state int32[B] and each beam's EOS mask bool[B * W, V] (None: unconstrained); each
+    beam's ResearchState from the prefill (None without custom processors). `_beam_loop`
+    broadcasts the last two from the B rows to the beams."""
+
+    widths: Array
+    max_new: Array
+    min_new: Array
+    length_penalty: Array
+    eos_mask: Array
+    gtables: Optional[Any] = None
+    gstate: Optional[Array] = None
+    row_eos: Optional[Array] = None
+    rstate: Optional[Any] = None
+
+
+@struct.dataclass
+class BeamState:
+    """The search carry, B rows of W beams, NB output positions, V vocabulary.
+
+    t: int32[] tokens chosen so far; go: bool[] the search goes on; cache: KVCache of B * W rows;
+    logits: f32[B * W, V] each running beam's next-token logits;
+    run_tok / run_lp: int32 / f32[B, W, NB] each running beam's tokens and their raw
+    log-probabilities; run_score: f32[B, W] cumulative log-probability (-inf: padding beam);
+    pool_tok / pool_lp / pool_score / pool_len / pool_complete: the W best finished hypotheses
+    per row (sorted), their HF scores, generated lengths and whether their grammar completed;
+    pool_fin: bool[B, W] the pool entry is a real hypothesis; unsat: bool[B] the row can still
+    improve; gstate: int32[B, W] each beam's grammar state (None: unconstrained); pstates /
+    pool_pstates: custom processor states per running beam / pool entry (None without them).
+    """
+
+    t: Array
+    go: Array
+    cache: KVCache
+    logits: Array
+    run_tok: Array
+    run_lp: Array
+    run_score: Array
+    pool_tok: Array
+    pool_lp: Array
+    pool_score: Array
+    pool_len: Array
+    pool_fin: Array
+    pool_complete: Array
+    unsat: Array
+    gstate: Optional[Array] = None
+    pstates: Optional[Any] = None
+    pool_pstates: Optional[Any] = None
+
+
+@struct.dataclass
+class _Candidates:
+    """The K best (beam, token) continuations of one step, per row: scores, source beams,
+    tokens, their full token and raw log-probability buffers, processor states, finished /
+    grammar-complete flags and grammar states."""
+
+    score: Array
+    src: Array
+    tok: Array
+    toks: Array
+    lps: Array
+    fin: Array
+    complete: Array
+    gstate: Optional[Array] = None
+    pstates: Optional[Any] = None
 
 
 def _gather(x: Array, idx: Array) -> Array:
@@ -107,135 +195,204 @@ def _custom_context(rs: Any, vocab: int, run_tok: Array, t: Array,
         key=research_lib.processor_keys(jnp.zeros((bw, 2), jnp.uint32), step + 1), live=live)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 4, 5, 6, 7), static_argnames=("research",))
-def _beam_loop(model: DecoderModel, params: Any, cache: KVCache, logits: Array,
-               width: int, buffer_len: int, num_candidates: int, early_stopping: EarlyStopping,
-               widths: Array, max_new: Array, min_new: Array, length_penalty: Array,
-               eos_mask: Array, gtables=None, gstate=None, row_eos=None, research=None,
-               rstate=None):
-    b, v = logits.shape
-    constrained = gtables is not None   # static: a response_format was given
-    w, nb, k = width, buffer_len, num_candidates
-    es_true = early_stopping is True
-    es_never = early_stopping == "never"
-    lp = length_penalty.astype(jnp.float32)
-    valid = jnp.arange(w)[None, :] < widths[:, None]                      # [B, W]
-    top_mask = jnp.arange(k)[None, :] < widths[:, None]                   # [B, K]
+def _valid(config: BeamConfig, rows: BeamRows) -> Array:
+    return jnp.arange(config.width)[None, :] < rows.widths[:, None]            # [B, W]
 
-    # Prompt cache broadcast to B * W rows (prefill happened once per prompt).
-    cache = take_cache_rows(cache, jnp.repeat(jnp.arange(b), w))
-    logits = jnp.repeat(logits, w, axis=0)
 
+def _initial(config: BeamConfig, cache: KVCache, logits: Array, rows: BeamRows) -> BeamState:
+    """The prompt cache broadcast to B * W rows (prefill happened once per prompt), beam 0 of
+    each row running with score 0, the pool empty."""
+    b, w, nb = logits.shape[0], config.width, config.buffer_len
+    valid = _valid(config, rows)
     run_score = jnp.where(jnp.arange(w)[None, :] == 0, 0.0, NEG) * jnp.ones((b, 1))
-    run_score = jnp.where(valid, run_score, -jnp.inf).astype(jnp.float32)
-    carry = dict(
-        t=jnp.int32(0), go=jnp.bool_(True), cache=cache, logits=logits,
+    state = BeamState(
+        t=jnp.int32(0), go=jnp.bool_(True),
+        cache=cache_ops.take_rows(cache, jnp.repeat(jnp.arange(b), w)),
+        logits=jnp.repeat(logits, w, axis=0),
         run_tok=jnp.full((b, w, nb), -1, jnp.int32), run_lp=jnp.zeros((b, w, nb), jnp.float32),
-        run_score=run_score,
+        run_score=jnp.where(valid, run_score, -jnp.inf).astype(jnp.float32),
         pool_tok=jnp.full((b, w, nb), -1, jnp.int32), pool_lp=jnp.zeros((b, w, nb), jnp.float32),
         pool_score=jnp.where(valid, NEG, -jnp.inf).astype(jnp.float32),
         pool_len=jnp.zeros((b, w), jnp.int32), pool_fin=jnp.zeros((b, w), bool),
-        unsat=jnp.ones((b,), bool), pool_complete=jnp.zeros((b, w), bool))
-    if constrained:  # per beam; gathered with the same parent indices as the cache
-        carry["gstate"] = jnp.repeat(gstate[:, None], w, axis=1)
-        beam_eos = jnp.repeat(row_eos, w, axis=0)
-    custom = research is not None and bool(research.processors)  # static
-    if custom:  # per beam [B, W, ...]; gathered like the cache; the pool keeps its own
-        beam_rs = jax.tree.map(lambda x: jnp.repeat(x, w, axis=0), rstate)
-        carry["pstates"] = jax.tree.map(lambda x: x.reshape((b, w) + x.shape[1:]),
-                                        beam_rs.states)
-        carry["pool_pstates"] = carry["pstates"]
+        pool_complete=jnp.zeros((b, w), bool), unsat=jnp.ones((b,), bool))
+    if rows.gtables is not None:  # per beam; gathered with the same parent indices as the cache
+        state = state.replace(gstate=jnp.repeat(rows.gstate[:, None], w, axis=1))
+    if config.custom:  # per beam [B, W, ...]; gathered like the cache; the pool keeps its own
+        pstates = jax.tree.map(lambda x: x.reshape((b, w) + x.shape[1:]), rows.rstate.states)
+        state = state.replace(pstates=pstates, pool_pstates=pstates)
+    return state
 
-    def body(c):
-        t = c["t"]
-        logp = numerics.log_softmax(c["logits"].astype(jnp.float32)).reshape(b, w, v)
-        masked = jnp.where((t < min_new) & eos_mask[None, None, :], -jnp.inf, logp)
-        if constrained:  # the grammar mask, on the log-probabilities like min_new_tokens
-            masked = constraints.mask_logits(masked.reshape(b * w, v), gtables,
-                                             c["gstate"].reshape(-1), beam_eos).reshape(b, w, v)
-        if custom:  # custom processors, every position in order, on the log-probabilities
-            flat = jax.tree.map(lambda x: x.reshape((b * w,) + x.shape[2:]), c["pstates"])
-            bound = research_lib.Bound(
-                research.processors,
-                _custom_context(beam_rs, v, c["run_tok"], t, valid.reshape(-1)), flat)
-            masked = bound.all_positions(masked.reshape(b * w, v)).reshape(b, w, v)
-            after = jax.tree.map(lambda x: x.reshape((b, w) + x.shape[1:]), tuple(bound.states))
-        acc = (masked + c["run_score"][:, :, None]).reshape(b, w * v)
-        cand_score, cand_idx = jax.lax.top_k(acc, k)                      # [B, K], sorted
-        src = (cand_idx // v).astype(jnp.int32)
-        tok = (cand_idx % v).astype(jnp.int32)
-        tok_lp = jnp.take_along_axis(logp.reshape(b, w * v), cand_idx, axis=1)
-        cand_tok = _gather(c["run_tok"], src).at[:, :, t].set(tok)         # [B, K, NB]
-        cand_lp = _gather(c["run_lp"], src).at[:, :, t].set(tok_lp)
-        cand_ps = jax.tree.map(lambda x: _gather(x, src), after) if custom else None
-        fin = eos_mask[tok] | (t + 1 >= max_new)
-        complete = jnp.zeros_like(fin)
-        if constrained:  # a completed grammar ends the hypothesis like EOS
-            cand_g = constraints.next_state(gtables, _gather(c["gstate"], src).reshape(-1),
-                                            tok.reshape(-1)).reshape(b, k)
-            complete = constraints.completes(gtables, cand_g.reshape(-1)).reshape(b, k)
-            fin = fin | complete
 
-        # running beams: the W best unfinished candidates
-        run_cand = cand_score + jnp.where(fin, NEG, 0.0)
-        run_score, sel = jax.lax.top_k(run_cand, w)
-        run_score = jnp.where(valid, run_score, -jnp.inf)
-        run_tok, run_lp, run_src = _gather(cand_tok, sel), _gather(cand_lp, sel), _gather(src, sel)
+def _masked_logprobs(config: BeamConfig, rows: BeamRows, c: BeamState):
+    """Each running beam's log-probabilities (raw, f32[B, W, V]) and the same after the
+    min_new_tokens EOS mask, the grammar mask and custom processors, with the processor states
+    after them (None without)."""
+    b, w = rows.widths.shape[0], config.width
+    v = c.logits.shape[-1]
+    logp = numerics.log_softmax(c.logits.astype(jnp.float32)).reshape(b, w, v)
+    masked = jnp.where((c.t < rows.min_new) & rows.eos_mask[None, None, :], -jnp.inf, logp)
+    if rows.gtables is not None:  # the grammar mask, on the log-probabilities
+        masked = constraints.mask_logits(masked.reshape(b * w, v), rows.gtables,
+                                         c.gstate.reshape(-1), rows.row_eos).reshape(b, w, v)
+    after = None
+    if config.custom:  # custom processors, every position in order, on the log-probabilities
+        flat = jax.tree.map(lambda x: x.reshape((b * w,) + x.shape[2:]), c.pstates)
+        ctx = _custom_context(rows.rstate, v, c.run_tok, c.t, _valid(config, rows).reshape(-1))
+        bound = research_lib.Bound(config.research.processors, ctx, flat)
+        masked = bound.all_positions(masked.reshape(b * w, v)).reshape(b, w, v)
+        after = jax.tree.map(lambda x: x.reshape((b, w) + x.shape[1:]), tuple(bound.states))
+    return logp, masked, after
 
-        # finished pool: merge the finished top-W candidates, keep the W best
-        length = (t + 1).astype(jnp.float32)
-        did = fin & top_mask
-        full = jnp.all(c["pool_fin"] | ~valid, axis=1) & es_true
-        score = cand_score / length ** lp
-        score = score + jnp.where(full, NEG, 0.0)[:, None]
-        score = score + jnp.where(c["unsat"], 0.0, NEG)[:, None]
-        score = score + jnp.where(did, 0.0, NEG)
-        m_score = jnp.concatenate([c["pool_score"], score], axis=1)
-        pool_score, pick = jax.lax.top_k(m_score, w)
-        pool_score = jnp.where(valid, pool_score, -jnp.inf)
-        m_len = jnp.concatenate([c["pool_len"], jnp.broadcast_to(t + 1, (b, k))], axis=1)
-        pool_tok = _gather(jnp.concatenate([c["pool_tok"], cand_tok], axis=1), pick)
-        pool_lp = _gather(jnp.concatenate([c["pool_lp"], cand_lp], axis=1), pick)
-        pool_len = _gather(m_len, pick)
-        pool_fin = _gather(jnp.concatenate([c["pool_fin"], did], axis=1), pick) & valid
-        pool_complete = _gather(jnp.concatenate([c["pool_complete"], complete], axis=1), pick)
 
-        # can a running beam still beat the worst finished one? (HF's heuristic, cumulative)
-        hyp_len = jnp.where(es_never & (lp > 0), max_new.astype(jnp.float32), length)
-        best = run_score[:, 0] / hyp_len ** lp
-        all_fin = jnp.all(pool_fin | ~valid, axis=1)
-        worst = jnp.where(all_fin, jnp.min(jnp.where(valid, pool_score, jnp.inf), axis=1), NEG)
-        unsat = c["unsat"] & (best > worst)
-        frozen = ~unsat | (all_fin & es_true)
-        go = (t + 1 < max_new) & ~jnp.all(frozen)
+def _candidates(config: BeamConfig, rows: BeamRows, c: BeamState) -> _Candidates:
+    """Step 2 of the module docstring: the top K over beams x vocabulary."""
+    logp, masked, after = _masked_logprobs(config, rows, c)
+    b, w, v = logp.shape
+    acc = (masked + c.run_score[:, :, None]).reshape(b, w * v)
+    score, idx = jax.lax.top_k(acc, config.num_candidates)                  # [B, K], sorted
+    src, tok = (idx // v).astype(jnp.int32), (idx % v).astype(jnp.int32)
+    tok_lp = jnp.take_along_axis(logp.reshape(b, w * v), idx, axis=1)
+    fin = rows.eos_mask[tok] | (c.t + 1 >= rows.max_new)
+    cand = _Candidates(score=score, src=src, tok=tok,
+                       toks=_gather(c.run_tok, src).at[:, :, c.t].set(tok),
+                       lps=_gather(c.run_lp, src).at[:, :, c.t].set(tok_lp),
+                       fin=fin, complete=jnp.zeros_like(fin),
+                       pstates=None if after is None else jax.tree.map(
+                           lambda x: _gather(x, src), after))
+    if rows.gtables is not None:  # a completed grammar ends the hypothesis like EOS
+        g = constraints.next_state(rows.gtables, _gather(c.gstate, src).reshape(-1),
+                                   tok.reshape(-1)).reshape(tok.shape)
+        complete = constraints.completes(rows.gtables, g.reshape(-1)).reshape(tok.shape)
+        cand = cand.replace(gstate=g, complete=complete, fin=fin | complete)
+    return cand
 
-        def advance(cache):
-            index = (jnp.arange(b)[:, None] * w + run_src).reshape(-1)
-            cache = take_cache_rows(cache, index)
-            toks = run_tok[:, :, t].reshape(-1, 1)
-            new_logits, cache = model.forward(params, toks, cache.lengths[:, None], cache,
-                                              lengths=jnp.ones((b * w,), jnp.int32))
-            return cache, new_logits[:, 0].astype(jnp.float32)
 
-        cache, new_logits = jax.lax.cond(go, advance, lambda cache: (cache, c["logits"]),
-                                         c["cache"])
-        out = dict(t=t + 1, go=go, cache=cache, logits=new_logits, run_tok=run_tok,
-                   run_lp=run_lp, run_score=run_score, pool_tok=pool_tok, pool_lp=pool_lp,
-                   pool_score=pool_score, pool_len=pool_len, pool_fin=pool_fin, unsat=unsat,
-                   pool_complete=pool_complete)
-        if constrained:
-            out["gstate"] = _gather(cand_g, sel)
-        if custom:
-            out["pstates"] = jax.tree.map(lambda x: _gather(x, sel), cand_ps)
-            out["pool_pstates"] = jax.tree.map(
-                lambda old, new: _gather(jnp.concatenate([old, new], axis=1), pick),
-                c["pool_pstates"], cand_ps)
-        return out
+def _merge_pool(config: BeamConfig, rows: BeamRows, c: BeamState, cand: _Candidates) -> dict:
+    """Step 4: the finished top-W candidates enter the pool, which keeps the W best."""
+    valid = _valid(config, rows)
+    k = config.num_candidates
+    length = (c.t + 1).astype(jnp.float32)
+    did = cand.fin & (jnp.arange(k)[None, :] < rows.widths[:, None])
+    full = jnp.all(c.pool_fin | ~valid, axis=1) & (config.early_stopping is True)
+    score = cand.score / length ** rows.length_penalty.astype(jnp.float32)
+    score = score + jnp.where(full, NEG, 0.0)[:, None] + jnp.where(c.unsat, 0.0, NEG)[:, None]
+    score = score + jnp.where(did, 0.0, NEG)
+    pool_score, pick = jax.lax.top_k(jnp.concatenate([c.pool_score, score], axis=1),
+                                     config.width)
+    merge = lambda old, new: _gather(jnp.concatenate([old, new], axis=1), pick)  # noqa: E731
+    pool = dict(pool_score=jnp.where(valid, pool_score, -jnp.inf),
+                pool_tok=merge(c.pool_tok, cand.toks), pool_lp=merge(c.pool_lp, cand.lps),
+                pool_len=merge(c.pool_len, jnp.broadcast_to(c.t + 1, cand.fin.shape)),
+                pool_fin=merge(c.pool_fin, did) & valid,
+                pool_complete=merge(c.pool_complete, cand.complete))
+    if config.custom:
+        pool["pool_pstates"] = jax.tree.map(merge, c.pool_pstates, cand.pstates)
+    return pool
 
-    c = jax.lax.while_loop(lambda c: c["go"], body, carry)
-    best_states = jax.tree.map(lambda x: x[:, 0], c["pool_pstates"]) if custom else None
-    return (c["pool_tok"], c["pool_lp"], c["pool_score"], c["pool_len"], c["pool_complete"],
-            best_states)
+
+def _goes_on(config: BeamConfig, rows: BeamRows, c: BeamState, run_score: Array,
+             pool: dict) -> tuple[Array, Array]:
+    """Step 5, HF's improvement heuristic (cumulative): can a running beam still beat the
+    worst finished one? Returns (unsat per row, go)."""
+    valid = _valid(config, rows)
+    lp = rows.length_penalty.astype(jnp.float32)
+    length = (c.t + 1).astype(jnp.float32)
+    never = (config.early_stopping == "never") & (lp > 0)
+    best = run_score[:, 0] / jnp.where(never, rows.max_new.astype(jnp.float32), length) ** lp
+    all_fin = jnp.all(pool["pool_fin"] | ~valid, axis=1)
+    worst = jnp.where(all_fin, jnp.min(jnp.where(valid, pool["pool_score"], jnp.inf), axis=1),
+                      NEG)
+    unsat = c.unsat & (best > worst)
+    frozen = ~unsat | (all_fin & (config.early_stopping is True))
+    return unsat, (c.t + 1 < rows.max_new) & ~jnp.all(frozen)
+
+
+def _body(config: BeamConfig, params: Any, rows: BeamRows, c: BeamState) -> BeamState:
+    """One search step (the module docstring's 1-6)."""
+    b, w = rows.widths.shape[0], config.width
+    cand = _candidates(config, rows, c)
+    # step 3, running beams: the W best unfinished candidates
+    run_score, sel = jax.lax.top_k(cand.score + jnp.where(cand.fin, NEG, 0.0), w)
+    run_score = jnp.where(_valid(config, rows), run_score, -jnp.inf)
+    run_tok, run_src = _gather(cand.toks, sel), _gather(cand.src, sel)
+    pool = _merge_pool(config, rows, c, cand)
+    unsat, go = _goes_on(config, rows, c, run_score, pool)
+
+    def advance(cache):  # step 6: reorder, then write the chosen tokens
+        cache = cache_ops.take_rows(cache, (jnp.arange(b)[:, None] * w + run_src).reshape(-1))
+        new_logits, cache = config.model.forward(params, run_tok[:, :, c.t].reshape(-1, 1),
+                                                 cache.lengths[:, None], cache,
+                                                 lengths=jnp.ones((b * w,), jnp.int32))
+        return cache, new_logits[:, 0].astype(jnp.float32)
+
+    cache, logits = jax.lax.cond(go, advance, lambda cache: (cache, c.logits), c.cache)
+    out = c.replace(t=c.t + 1, go=go, cache=cache, logits=logits, run_tok=run_tok,
+                    run_lp=_gather(cand.lps, sel), run_score=run_score, unsat=unsat, **pool)
+    if rows.gtables is not None:
+        out = out.replace(gstate=_gather(cand.gstate, sel))
+    if config.custom:
+        out = out.replace(pstates=jax.tree.map(lambda x: _gather(x, sel), cand.pstates))
+    return out
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _beam_loop(config: BeamConfig, params: Any, cache: KVCache, logits: Array,
+               rows: BeamRows) -> BeamState:
+    """The search: B prefilled rows -> the final BeamState. The per-row grammar EOS masks and
+    processor states are broadcast to B * W beams once, outside the loop."""
+    per_beam = lambda x: jnp.repeat(x, config.width, axis=0)  # noqa: E731
+    rows = rows.replace(row_eos=None if rows.row_eos is None else per_beam(rows.row_eos),
+                        rstate=None if rows.rstate is None else jax.tree.map(per_beam,
+                                                                               rows.rstate))
+    state = _initial(config, cache, logits, rows)
+    return jax.lax.while_loop(lambda c: c.go, functools.partial(_body, config, params, rows),
+                              state)
+
+
+def _check(prompt_ids: list, num_beams: Any, early_stopping: Any, n: int, min_new: int,
+           num_return: int, max_len: int) -> list[int]:
+    """The widths per row; ValueError naming the field for a bad argument."""
+    b = len(prompt_ids)
+    widths = [num_beams] * b if isinstance(num_beams, (int, np.integer)) else list(num_beams)
+    if len(widths) != b or any(isinstance(x, bool) or int(x) < 1 for x in widths):
+        raise ValueError(f"num_beams: expected a width >= 1, or one per row ({b} rows), "
+                         f"got {num_beams!r}")
+    widths = [int(x) for x in widths]
+    if early_stopping not in (True, False, "never"):
+        raise ValueError(f"early_stopping: must be True, False or 'never', got {early_stopping!r}")
+    if n < 1:
+        raise ValueError(f"max_new_tokens: must be >= 1, got {n}")
+    if not 0 <= int(min_new) <= n:
+        raise ValueError(f"min_new_tokens: must be in [0, max_new_tokens], got {min_new}")
+    if not 1 <= num_return <= min(widths or [1]):
+        raise ValueError(f"num_return_sequences: must be in [1, num_beams], got {num_return}")
+    longest = max((len(p) for p in prompt_ids), default=0)
+    if longest and longest + n - 1 > max_len:
+        raise ValueError(f"max_new_tokens: prompt ({longest}) + {n} new tokens exceed the "
+                         f"model's max_len {max_len}")
+    return widths
+
+
+def _results(c: BeamState, b: int, n: int, num_return: int, eos: tuple) -> dict:
+    """The host result fields: the best hypothesis per row, its finish reason, the returned
+    beams (token ids, score), best first."""
+    tok, lps, score, length, complete = (np.asarray(x) for x in (
+        c.pool_tok, c.pool_lp, c.pool_score, c.pool_len, c.pool_complete))
+    token_ids = np.full((b, n), -1, np.int32)
+    logprobs = np.zeros((b, n), np.float32)
+    lengths = length[:b, 0].astype(np.int32)
+    beams, reasons = [], []
+    for r in range(b):
+        ln = int(lengths[r])
+        token_ids[r, :ln] = tok[r, 0, :ln]
+        logprobs[r, :ln] = lps[r, 0, :ln]
+        beams.append([(tok[r, j, : length[r, j]].tolist(), float(score[r, j]))
+                      for j in range(num_return)])
+        ended_on_eos = ln > 0 and int(tok[r, 0, ln - 1]) in eos
+        reasons.append(FinishReason.EOS if ended_on_eos else FinishReason.GRAMMAR_COMPLETE
+                       if complete[r, 0] else FinishReason.MAX_OUTPUT_TOKENS)
+    return dict(token_ids=token_ids, lengths=lengths, finish_reasons=reasons, errors=[None] * b,
+                logprobs=logprobs, beams=beams)
 
 
 def beam_search(model: DecoderModel, params: Any, prompt_ids: Sequence[Sequence[int]], *,
@@ -259,30 +416,12 @@ def beam_search(model: DecoderModel, params: Any, prompt_ids: Sequence[Sequence[
     final states come back in `processor_states`.
     """
     prompt_ids = token_rows(prompt_ids)
-    b = len(prompt_ids) if prompt_ids else 0
-    widths = [num_beams] * b if isinstance(num_beams, (int, np.integer)) else list(num_beams)
-    if len(widths) != b or any(isinstance(x, bool) or int(x) < 1 for x in widths):
-        raise ValueError(f"num_beams: expected a width >= 1, or one per row ({b} rows), "
-                         f"got {num_beams!r}")
-    widths = [int(x) for x in widths]
-    if early_stopping not in (True, False, "never"):
-        raise ValueError(f"early_stopping: must be True, False or 'never', got {early_stopping!r}")
-    n = int(max_new_tokens)
-    if n < 1:
-        raise ValueError(f"max_new_tokens: must be >= 1, got {max_new_tokens}")
-    if not 0 <= int(min_new_tokens) <= n:
-        raise ValueError(f"min_new_tokens: must be in [0, max_new_tokens], got {min_new_tokens}")
-    if not 1 <= num_return_sequences <= min(widths or [1]):
-        raise ValueError(f"num_return_sequences: must be in [1, num_beams], "
-                         f"got {num_return_sequences}")
-    cfg = model.config
-    longest = max((len(p) for p in prompt_ids), default=0)
-    if longest and longest + n - 1 > cfg.max_len:
-        raise ValueError(f"max_new_tokens: prompt ({longest}) + {n} new tokens exceed the "
-                         f"model's max_len {cfg.max_len}")
+    cfg, n = model.config, int(max_new_tokens)
+    widths = _check(prompt_ids, num_beams, early_stopping, n, min_new_tokens,
+                    num_return_sequences, cfg.max_len)
+    b = len(prompt_ids)
     eos = tuple(cfg.eos_token_ids if eos_token_ids is None else eos_token_ids)
     eos = tuple(dict.fromkeys(int(i) for i in eos if 0 <= int(i) < cfg.vocab_size))
-
     # validation of the prompts and the prefill (once per prompt) are `generate`'s
     sp = SamplingParams(temperature=0.0, max_tokens=n, response_format=response_format)
     setup = research_lib.configure(model, processors=processors)
@@ -293,33 +432,17 @@ def beam_search(model: DecoderModel, params: Any, prompt_ids: Sequence[Sequence[
     # a lone width-1 row searches with a masked second beam (numerics.MIN_ROWS: no program of
     # one row); its results are those of width 1 (the padding of per-row widths)
     width = max(widths) if b * max(widths) >= numerics.MIN_ROWS else numerics.MIN_ROWS
-    num_candidates = max(2, 1 + len(eos)) * width
-    buffer_len = bucket(n)
-    grammar = {} if state.grammar is None else dict(
-        gtables=state.grammar, gstate=state.grammar_state, row_eos=state.rows.eos_mask)
-    tok, lps, score, length, complete, best_states = _beam_loop(
-        model, params, state.cache, state.logits, width, buffer_len, num_candidates,
-        early_stopping, np.asarray(widths, np.int32), np.int32(n), np.int32(min_new_tokens),
-        np.float32(length_penalty), eos_mask, **grammar,
-        research=None if setup is None else setup.config, rstate=state.research)
-    tok, lps, score, length, complete = (np.asarray(x) for x in (tok, lps, score, length,
-                                                                  complete))
-
-    token_ids = np.full((b, n), -1, np.int32)
-    logprobs = np.zeros((b, n), np.float32)
-    lengths = length[:, 0].astype(np.int32)
-    beams, reasons = [], []
-    for r in range(b):
-        ln = int(lengths[r])
-        token_ids[r, :ln] = tok[r, 0, :ln]
-        logprobs[r, :ln] = lps[r, 0, :ln]
-        beams.append([(tok[r, j, : length[r, j]].tolist(), float(score[r, j]))
-                      for j in range(num_return_sequences)])
-        ended_on_eos = ln > 0 and int(tok[r, 0, ln - 1]) in eos
-        reasons.append(FinishReason.EOS if ended_on_eos else FinishReason.GRAMMAR_COMPLETE
-                       if complete[r, 0] else FinishReason.MAX_OUTPUT_TOKENS)
+    config = BeamConfig(model, width, bucket(n), max(2, 1 + len(eos)) * width, early_stopping,
+                        None if setup is None else setup.config)
+    rows = BeamRows(widths=np.asarray(widths, np.int32), max_new=np.int32(n),
+                    min_new=np.int32(min_new_tokens), length_penalty=np.float32(length_penalty),
+                    eos_mask=eos_mask, rstate=state.research)
+    if state.grammar is not None:
+        rows = rows.replace(gtables=state.grammar, gstate=state.grammar_state,
+                            row_eos=state.rows.eos_mask)
+    c = _beam_loop(config, params, state.cache, state.logits, rows)
     custom = {} if setup is None else dict(
         processor_order=research_lib.describe_order(setup.config.processors, beam=True),
-        processor_states=research_lib.final_states(setup.config, best_states))
-    return GenerateOutput(token_ids=token_ids, lengths=lengths, finish_reasons=reasons,
-                          errors=[None] * b, logprobs=logprobs, beams=beams, **custom)
+        processor_states=research_lib.final_states(
+            setup.config, jax.tree.map(lambda x: x[:, 0], c.pool_pstates)))
+    return GenerateOutput(**_results(c, b, n, num_return_sequences, eos), **custom)

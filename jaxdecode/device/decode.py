@@ -12,7 +12,7 @@ otherwise it is written at position m + t - 1 (= `cache.lengths`) and z_{t+1} is
 
 Token-level stops are decided here, with zero wasted steps, in this priority (SPEC S9): a model
 error (NaN logits), every token masked (on a constrained row: grammar_dead_end), EOS, a stop
-id, grammar completion, max_tokens, the context limit. Constraints: jaxdecode/constraints.
+id, grammar completion, max_tokens, the context limit. Constraints: jaxdecode/device/constraints.
 """
 
 from __future__ import annotations
@@ -28,29 +28,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdecode.device import constraints, hooks, numerics, processors, research as research_lib
-from jaxdecode.device import sampling as sampling_lib
 from jaxdecode.config import SamplingParams
-from jaxdecode.model_api import DecoderModel, KVCache, params_dtype
+from jaxdecode.device import cache_ops, constraints, hooks, numerics, outputs, processors
+from jaxdecode.device import research as research_lib
+from jaxdecode.device import sampling as sampling_lib
+from jaxdecode.device import stops
+from jaxdecode.device.outputs import GenerateOutput
+from jaxdecode.device.state import RUNNING, RowParams, StepOutput, StepState, seed_key_data
+from jaxdecode.model_api import DecoderModel, params_dtype
 from jaxdecode.prompts import token_rows
-from jaxdecode.device.state import (ALL_MASKED, CONTEXT_LIMIT, EOS, GRAMMAR_COMPLETE, GRAMMAR_DEAD_END,
-                             MAX_TOKENS, MODEL_ERROR, RUNNING, STOP_TOKEN, RowParams, StepOutput,
-                             StepState, seed_key_data)
-from jaxdecode.types import ErrorCode, FinishReason
 
 Array = jax.Array
 
 MIN_BUCKET = 16
-
-FINISH_REASONS = {EOS: FinishReason.EOS, STOP_TOKEN: FinishReason.STOP_SEQUENCE,
-                  MAX_TOKENS: FinishReason.MAX_OUTPUT_TOKENS,
-                  CONTEXT_LIMIT: FinishReason.CONTEXT_LIMIT,
-                  ALL_MASKED: FinishReason.MODEL_ERROR, MODEL_ERROR: FinishReason.MODEL_ERROR,
-                  GRAMMAR_COMPLETE: FinishReason.GRAMMAR_COMPLETE,
-                  GRAMMAR_DEAD_END: FinishReason.MODEL_ERROR}
-ERRORS = {ALL_MASKED: ErrorCode.ALL_TOKENS_MASKED, MODEL_ERROR: ErrorCode.MODEL_ERROR,
-          GRAMMAR_DEAD_END: ErrorCode.GRAMMAR_DEAD_END}
-FAILED_CODES = (ALL_MASKED, MODEL_ERROR, GRAMMAR_DEAD_END)
 
 
 def bucket(n: int, cap: Optional[int] = None) -> int:
@@ -85,12 +75,48 @@ def compilation_count() -> int:
     return _compiles
 
 
+# -- static configurations (one frozen, hashable object per jitted function) ------------------
+
+@dataclasses.dataclass(frozen=True)
+class PrefillConfig:
+    """Static part of a prompt pass: the model, the cache length to allocate, research options."""
+
+    model: DecoderModel
+    cache_len: int
+    research: Optional[research_lib.ResearchConfig] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+    """Static part of a decode step: the model, how many raw top log-probabilities to report,
+    the attention bucket (attend to the first `kv_len` cache positions; None: all), research
+    options (jaxdecode/device/research.py)."""
+
+    model: DecoderModel
+    top_logprobs: int = 0
+    kv_len: Optional[int] = None
+    research: Optional[research_lib.ResearchConfig] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopConfig:
+    """Static part of the on-device generation loop: its step and the output buffer width."""
+
+    step: StepConfig
+    num_steps: int
+
+
 # -- prefill and the step ----------------------------------------------------------------------
 
 @functools.lru_cache(maxsize=None)
 def accepts_kv_len(model_type: type) -> bool:
     """Whether a model's forward takes the optional static `kv_len` (attend to a prefix only)."""
     return "kv_len" in inspect.signature(model_type.forward).parameters
+
+
+def kv_len_keyword(model: DecoderModel, kv_len: Optional[int]) -> dict:
+    """The forward's `kv_len` keyword when there is a bound and the model takes one."""
+    return {"kv_len": kv_len} if kv_len is not None and accepts_kv_len(type(model)) else {}
 
 
 def research_hook(research: Optional[research_lib.ResearchConfig], args: Any, captured: dict,
@@ -103,22 +129,21 @@ def research_hook(research: Optional[research_lib.ResearchConfig], args: Any, ca
                                     captured, select)}
 
 
-@functools.partial(jax.jit, static_argnums=(0, 5), static_argnames=("research",))
-def prefill(model: DecoderModel, params: Any, tokens: Array, lengths: Array, rows: RowParams,
-            cache_len: int, research: Optional[research_lib.ResearchConfig] = None,
+@functools.partial(jax.jit, static_argnums=(0,))
+def prefill(config: PrefillConfig, params: Any, tokens: Array, lengths: Array, rows: RowParams,
             research_args: Optional[research_lib.ResearchArgs] = None) -> StepState:
     """Prompt pass: tokens int32[B, T] right-padded (T a bucket), lengths int32[B] >= 1.
 
     Returns the StepState before y_1: the cache holds the prompts, `logits` is the last real
     position's row of logits. The decoder calls it one prompt at a time, at the prompt's own
-    bucket (`prefill_rows`), so a row's prefill never depends on its neighbours. `research`
-    (static) and its args: interventions apply to the prompt, and `StepState.research` starts
-    (jaxdecode/research.py)."""
+    bucket (`prefill_rows`), so a row's prefill never depends on its neighbours. With research
+    options, interventions apply to the prompt and `StepState.research` starts."""
+    model, research = config.model, config.research
     b, t = tokens.shape
-    cache = model.init_cache(b, cache_len, params_dtype(params))
+    cache = model.init_cache(b, config.cache_len, params_dtype(params))
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     # the cache is empty before the prompt: attend to the prompt bucket only
-    extra = {"kv_len": t} if accepts_kv_len(type(model)) else {}
+    extra = kv_len_keyword(model, t)
     captured: dict = {}
     extra.update(research_hook(research, research_args, captured, lambda x: jnp.take_along_axis(
         x, (lengths - 1)[:, None, None], axis=1)[:, 0]))
@@ -134,7 +159,7 @@ def prefill(model: DecoderModel, params: Any, tokens: Array, lengths: Array, row
                       finish=jnp.zeros((b,), jnp.int32), rows=rows)
     if research is not None:
         state = state.replace(research=research_lib.initial_state(
-            research, research_args, tokens, lengths, cache_len, captured))
+            research, research_args, tokens, lengths, config.cache_len, captured))
     return state
 
 
@@ -145,17 +170,14 @@ def row_tokens(prompt: Sequence[int], max_len: int) -> np.ndarray:
     return tokens
 
 
-def prefill_rows(model: DecoderModel, params: Any, prompts: Sequence[Sequence[int]],
-                 rows: RowParams, cache_len: int,
-                 research: Optional[research_lib.Setup] = None) -> list[StepState]:
+def prefill_rows(config: PrefillConfig, params: Any, prompts: Sequence[Sequence[int]],
+                 rows: RowParams, research_args: Optional[Any] = None) -> list[StepState]:
     """One-row StepStates, each prompt prefilled alone at its own bucket (batch invariance,
     docs/batch_invariance.md: the bucket of a batch would follow its longest prompt). `rows`
-    holds numpy arrays, one row per prompt; `research` without interventions (their args
-    may be per row)."""
-    extra = ({} if research is None else
-             {"research": research.config, "research_args": research.args})
-    return [prefill(model, params, row_tokens(prompt, model.config.max_len),
-                    np.array([len(prompt)], np.int32), one_row(rows, r), cache_len, **extra)
+    holds numpy arrays, one row per prompt; research args without per-row interventions."""
+    max_len = config.model.config.max_len
+    return [prefill(config, params, row_tokens(prompt, max_len),
+                    np.array([len(prompt)], np.int32), one_row(rows, r), research_args)
             for r, prompt in enumerate(prompts)]
 
 
@@ -164,83 +186,60 @@ def one_row(rows: RowParams, r: int) -> RowParams:
     return jax.tree.map(lambda x: x[r:r + 1], rows)
 
 
-@jax.jit
-def stack_rows(states: Sequence[StepState]) -> StepState:
-    """The rows of several StepStates as one batch, in order (the cache's batch axis is 1)."""
-    cat = lambda axis, *xs: jnp.concatenate(xs, axis)  # noqa: E731
-    caches = [s.cache for s in states]
-    rest = jax.tree.map(functools.partial(cat, 0), *[s.replace(cache=None) for s in states])
-    return rest.replace(cache=caches[0].replace(
-        k=cat(1, *[c.k for c in caches]), v=cat(1, *[c.v for c in caches]),
-        lengths=cat(0, *[c.lengths for c in caches])))
-
-
-def finish_codes(state: StepState, logprobs: Array, token: Array,
-                 grammar_next: Optional[Array] = None) -> Array:
-    """Device stop decision for y_t (SPEC §5, S9 priority), RUNNING where the row goes on.
-    `grammar_next`: each row's grammar state after y_t (constraints.next_state), when any."""
-    rows = state.rows
-    t = state.step + 1
-    rowwise = lambda mask: jnp.take_along_axis(mask, token[:, None], axis=-1)[:, 0]  # noqa: E731
-    all_masked = jnp.all(jnp.isneginf(logprobs), axis=-1)
-    grammar = []  # constraints: dead end (SPEC P2) and completion (SPEC §5)
+def finish_code(state: StepState, logprobs: Array, token: Array,
+                grammar_next: Optional[Array] = None) -> Array:
+    """`stops.finish_codes` for the one token y_t of each row (K = 1); RUNNING for rows that
+    are done or paused."""
+    grammar = None
     if grammar_next is not None:
-        constrained = state.grammar_state >= 0
-        grammar = [(GRAMMAR_DEAD_END, constrained & all_masked),
-                   # a token without an edge can only be EOS (ends above) or a failed step's
-                   (GRAMMAR_DEAD_END, constrained & (grammar_next == constraints.DEAD)),
-                   (GRAMMAR_COMPLETE, constraints.completes(state.grammar, grammar_next))]
-    conditions = [
-        (MODEL_ERROR, jnp.any(jnp.isnan(state.logits), axis=-1)),
-        *grammar[:1],
-        (ALL_MASKED, all_masked),
-        (EOS, rowwise(rows.eos_mask)),
-        (STOP_TOKEN, rowwise(rows.stop_mask)),
-        *grammar[1:],
-        (MAX_TOKENS, t >= rows.max_tokens),
-        (CONTEXT_LIMIT, state.cache.lengths >= state.cache.max_len - 1),
-    ]
-    code = jnp.full(token.shape, RUNNING, jnp.int32)
-    for value, cond in reversed(conditions):
-        code = jnp.where(cond, value, code)
+        grammar = (state.grammar, state.grammar_state[:, None], grammar_next[:, None])
+    code = stops.finish_codes(
+        state.rows, token[:, None], nan=jnp.any(jnp.isnan(state.logits), -1)[:, None],
+        logprobs=logprobs[:, None], step=state.step, length=state.cache.lengths,
+        max_len=state.cache.max_len, grammar=grammar)[:, 0]
     return jnp.where(state.done | state.paused, RUNNING, code)
 
 
-def decode_step(model: DecoderModel, params: Any, state: StepState, top_logprobs: int = 0,
-                kv_len: Optional[int] = None,
-                research: Optional[research_lib.ResearchConfig] = None,
+def _raw_logprobs(logits: Array, token: Array, top_logprobs: int) -> tuple:
+    """The raw (pre-processor) log-probability of each row's token and its top N."""
+    raw = numerics.log_softmax(logits)
+    if top_logprobs:
+        top_lp, top_ids = jax.lax.top_k(raw, top_logprobs)
+    else:
+        top_lp = jnp.zeros((token.shape[0], 0), jnp.float32)
+        top_ids = jnp.zeros((token.shape[0], 0), jnp.int32)
+    return jnp.take_along_axis(raw, token[:, None], axis=-1)[:, 0], top_ids, top_lp
+
+
+def decode_step(config: StepConfig, params: Any, state: StepState,
                 research_args: Optional[research_lib.ResearchArgs] = None
                 ) -> tuple[StepState, StepOutput]:
     """Select y_t for every live row, then write it and compute z_{t+1} where the row goes on.
 
-    Paused rows neither select nor write. `kv_len` (static) bounds attention to the first kv_len
-    cache positions; the caller guarantees every live row's length stays below it.
-    `research` (static, with its args): custom processors, interventions, captures, extra
-    outputs and observers (jaxdecode/research.py)."""
+    Paused rows neither select nor write. `config.kv_len` bounds attention to the first kv_len
+    cache positions; the caller guarantees every live row's length stays below it. Research
+    options (`config.research`, with their args): custom processors, interventions, captures,
+    extra outputs and observers (jaxdecode/device/research.py)."""
+    model, research = config.model, config.research
     t = state.step + 1
     grammar = None if state.grammar is None else (state.grammar, state.grammar_state)
-    live = ~state.done & ~state.paused
+    live = state.live
     bound = None if research is None else research_lib.bind_step(
         research, state.research, state.rows.keys, state.step, state.counts, live)
     logprobs = processors.process(state.logits, state.rows, state.counts, state.seen, state.step,
                                   grammar, bound)
     token = sampling_lib.select(logprobs, state.rows, t, live)
     grammar_next = None if grammar is None else constraints.next_state(*grammar, token)
-    finish = finish_codes(state, logprobs, token, grammar_next)
+    finish = finish_code(state, logprobs, token, grammar_next)
     goes_on = live & (finish == RUNNING)
 
-    extra = {"kv_len": kv_len} if kv_len is not None and accepts_kv_len(type(model)) else {}
+    extra = kv_len_keyword(model, config.kv_len)
     captured: dict = {}
     extra.update(research_hook(research, research_args, captured, lambda x: x[:, 0]))
     logits, cache = model.forward(params, token[:, None], state.cache.lengths[:, None],
                                   state.cache, lengths=goes_on.astype(jnp.int32), **extra)
     rows_idx = jnp.arange(token.shape[0])
-    raw = numerics.log_softmax(state.logits)
-    if top_logprobs:
-        top_lp, top_ids = jax.lax.top_k(raw, top_logprobs)
-    else:
-        top_lp = jnp.zeros((token.shape[0], 0), jnp.float32)
-        top_ids = jnp.zeros((token.shape[0], 0), jnp.int32)
+    logprob, top_ids, top_lp = _raw_logprobs(state.logits, token, config.top_logprobs)
     new_state = state.replace(
         cache=cache,
         logits=jnp.where(goes_on[:, None], logits[:, 0].astype(jnp.float32), state.logits),
@@ -254,8 +253,7 @@ def decode_step(model: DecoderModel, params: Any, state: StepState, top_logprobs
     if grammar_next is not None:  # constraints: advance rows that go on; ended rows keep theirs
         new_state = new_state.replace(
             grammar_state=jnp.where(goes_on, grammar_next, state.grammar_state))
-    out = StepOutput(token=jnp.where(live, token, -1), finish=finish,
-                     logprob=jnp.take_along_axis(raw, token[:, None], axis=-1)[:, 0],
+    out = StepOutput(token=jnp.where(live, token, -1), finish=finish, logprob=logprob,
                      top_ids=top_ids, top_logprobs=top_lp)
     if research is not None:  # research: carry, extra outputs, observers (research.py)
         new_state = new_state.replace(research=research_lib.advance(
@@ -266,91 +264,31 @@ def decode_step(model: DecoderModel, params: Any, state: StepState, top_logprobs
     return new_state, out
 
 
-def _step_shared_grammar(model, params, state, top_logprobs, kv_len, grammar, research,
-                         research_args):
-    new_state, out = decode_step(model, params, state.replace(grammar=grammar), top_logprobs,
-                                 kv_len, research, research_args)
-    return new_state.replace(grammar=None), out
-
-
-_step_jit = jax.jit(_step_shared_grammar, static_argnums=(0, 3, 4, 6), donate_argnums=(2,))
-
-
-def decode_step_jit(model: DecoderModel, params: Any, state: StepState, top_logprobs: int = 0,
-                    kv_len: Optional[int] = None,
-                    research: Optional[research_lib.ResearchConfig] = None,
-                    research_args: Optional[research_lib.ResearchArgs] = None
-                    ) -> tuple[StepState, StepOutput]:
-    """`decode_step`, jitted, with the state donated -- except the constraint tables
-    (`state.grammar`), which are shared read-only data like `params` and pass through untouched."""
-    grammar = state.grammar
-    new_state, out = _step_jit(model, params, state.replace(grammar=None), top_logprobs, kv_len,
-                               grammar, research, research_args)
-    return new_state.replace(grammar=grammar), out
+@cache_ops.shared_tables
+def decode_step_jit(state: StepState, params: Any,
+                    research_args: Optional[research_lib.ResearchArgs] = None, *,
+                    config: StepConfig) -> tuple[StepState, StepOutput]:
+    """`decode_step`, jitted, with the state donated (the grammar tables kept)."""
+    return decode_step(config, params, state, research_args)
 
 
 # -- generate --------------------------------------------------------------------------------
 
-@dataclasses.dataclass(frozen=True)
-class GenerateOutput:
-    """Host results of `generate` (DESIGN.md).
-
-    token_ids int32[B, N]: every selected token of each row, including the EOS / stop id that
-    ended it (as HF `generate` does), padded with -1 after the row's end; lengths int32[B];
-    finish_reasons: one FinishReason per row; errors: None per row, or the ErrorCode of a row that
-    failed (`model_error` for NaN logits, `all_tokens_masked` -- SPEC P2 -- when every token was
-    masked, `grammar_dead_end` when that happens on a constrained row; its finish reason is then
-    `model_error`; a constrained row whose grammar accepts and allows nothing more ends with
-    `grammar_complete`); logprobs f32[B, N]: the raw model log-probability of each selected token
-    (before processors, as OpenAI and vLLM report), when asked; top_logprobs: (ids, logprobs)
-    int32/f32[B, N, K] when some row asked for K > 0.
-    Research options (jaxdecode/research.py): scores / logits f32[B, N, V] (with outputs_top_k
-    K: [B, N, K] and score_ids / logit_ids), hidden_states {layer: f32[B, N, hidden]},
-    observations (one stacked pytree per observer), processor_states (each custom processor's
-    final state, None when stateless) and processor_order (the stages in the order used).
-    """
-
-    token_ids: np.ndarray
-    lengths: np.ndarray
-    finish_reasons: list
-    errors: list
-    logprobs: Optional[np.ndarray] = None
-    top_logprobs: Optional[tuple[np.ndarray, np.ndarray]] = None
-    beams: Optional[list] = None
-    # research options (jaxdecode/research.py): set only when asked
-    scores: Optional[np.ndarray] = None
-    logits: Optional[np.ndarray] = None
-    score_ids: Optional[np.ndarray] = None
-    logit_ids: Optional[np.ndarray] = None
-    hidden_states: Optional[dict] = None
-    observations: Optional[list] = None
-    processor_states: Optional[tuple] = None
-    processor_order: Optional[tuple] = None
-
-    def tokens(self, row: int) -> list[int]:
-        return self.token_ids[row, : self.lengths[row]].tolist()
-
-
-@functools.partial(jax.jit, static_argnums=(0, 3, 4, 5))
-def _generate_loop(model, params, state: StepState, num_steps: int, top_logprobs: int,
-                   research: Optional[research_lib.ResearchConfig] = None,
+@functools.partial(jax.jit, static_argnums=(0,))
+def _generate_loop(config: LoopConfig, params: Any, state: StepState,
                    research_args: Optional[research_lib.ResearchArgs] = None):
-    """The while-loop driver. With `research`, also step-major buffers [num_steps, ...] of
-    each step's research outputs (`research.extras`), and the host callback after each step."""
-    b = state.step.shape[0]
-    step = functools.partial(decode_step, model, params, top_logprobs=top_logprobs,
-                             research=research, research_args=research_args)
+    """The while-loop driver: at most `config.num_steps` steps, until every row is done. With
+    research options, also step-major buffers [num_steps, ...] of each step's research outputs
+    (`research.extras`), and the host callback after each step."""
+    num_steps, research = config.num_steps, config.step.research
+    b, k = state.step.shape[0], config.step.top_logprobs
+    step = functools.partial(decode_step, config.step, params, research_args=research_args)
     buffers = (jnp.full((b, num_steps), -1, jnp.int32), jnp.zeros((b, num_steps), jnp.float32),
-               jnp.zeros((b, num_steps, top_logprobs), jnp.int32),
-               jnp.zeros((b, num_steps, top_logprobs), jnp.float32))
+               jnp.zeros((b, num_steps, k), jnp.int32), jnp.zeros((b, num_steps, k), jnp.float32))
     extra = None
     if research is not None:
         template = research_lib.extras(jax.eval_shape(step, state)[1])
         extra = jax.tree.map(lambda x: jnp.zeros((num_steps,) + x.shape, x.dtype), template)
-
-    def cond(carry):
-        i, state, _, _ = carry
-        return (i < num_steps) & ~jnp.all(state.done)
 
     def body(carry):
         i, state, bufs, extra = carry
@@ -364,13 +302,13 @@ def _generate_loop(model, params, state: StepState, num_steps: int, top_logprobs
                 research_lib.emit(research_args.callback_id, i, out)
         return i + 1, state, bufs, extra
 
-    _, state, buffers, extra = jax.lax.while_loop(cond, body,
-                                                  (jnp.int32(0), state, buffers, extra))
+    _, state, buffers, extra = jax.lax.while_loop(
+        lambda c: (c[0] < num_steps) & ~jnp.all(c[1].done), body,
+        (jnp.int32(0), state, buffers, extra))
     return state, buffers, extra
 
 
-def iterate(model: DecoderModel, params: Any, state: StepState, num_steps: int,
-            top_logprobs: int = 0, research: Optional[research_lib.ResearchConfig] = None,
+def iterate(config: StepConfig, params: Any, state: StepState, num_steps: int,
             research_args: Optional[research_lib.ResearchArgs] = None):
     """The Python-loop driver of `decode_step`: yields (state, host StepOutput) per step.
 
@@ -381,19 +319,61 @@ def iterate(model: DecoderModel, params: Any, state: StepState, num_steps: int,
     done = np.array(state.done)
     if done.all() or num_steps < 1:
         return
-    step = functools.partial(decode_step_jit, model, params, top_logprobs=top_logprobs,
-                             research=research, research_args=research_args)
-    state, out = step(state)
+    step = functools.partial(decode_step_jit, config=config)
+    state, out = step(state, params, research_args)
     for i in range(num_steps):
         following = None
         if i + 1 < num_steps:
-            state, following = step(state)
+            state, following = step(state, params, research_args)
         host = jax.device_get(out)
         yield state, host
         done |= host.finish != RUNNING
         if done.all() or following is None:
             return
         out = following
+
+
+def _check_prompts(cfg: Any, prompt_ids: Sequence[Sequence[int]]) -> None:
+    if not prompt_ids or not all(len(p) > 0 for p in prompt_ids):
+        raise ValueError("prompt_ids: expected a non-empty list of non-empty token-id lists")
+    longest = max(len(p) for p in prompt_ids)
+    if longest > cfg.max_len:
+        raise ValueError(f"prompt_ids: a prompt of {longest} tokens exceeds the model's "
+                         f"max_len {cfg.max_len}")
+    for p in prompt_ids:
+        bad = [i for i in p if not 0 <= int(i) < cfg.vocab_size]
+        if bad:
+            raise ValueError(f"prompt_ids: token id {bad[0]} is outside the vocabulary "
+                             f"(size {cfg.vocab_size})")
+
+
+def _row_keys(rows_sp: Sequence[SamplingParams], key: Optional[Array]) -> np.ndarray:
+    """Base key data per row: its seed's, or fold_in(key, row) for rows without one."""
+    key = jax.random.key(0) if key is None else key
+    return np.stack([seed_key_data(s.seed) if s.seed is not None
+                     else np.asarray(jax.random.key_data(jax.random.fold_in(key, r)), np.uint32)
+                     for r, s in enumerate(rows_sp)])
+
+
+def _prompt_pass(model: DecoderModel, params: Any, prompt_ids: Sequence[Sequence[int]],
+                 rows: RowParams, size: int, research: Optional[research_lib.Setup],
+                 n_samples: Sequence[int]) -> StepState:
+    """The prefilled state: each prompt alone at its own bucket, except with interventions,
+    whose args may hold one value per row (one batched prompt pass; the batch-invariance
+    promise excludes interventions, docs/batch_invariance.md)."""
+    config = PrefillConfig(model, size, None if research is None else research.config)
+    args = None if research is None else research.args
+    if research is None or not research.config.interventions:
+        return cache_ops.stack_rows(prefill_rows(config, params, prompt_ids, rows, args))
+    if any(n > 1 for n in n_samples):
+        raise ValueError("interventions: not supported with n > 1 (the prompt pass is "
+                         "shared by the samples; give each sample its own prompt row)")
+    tokens = np.zeros((len(prompt_ids), bucket(max(map(len, prompt_ids)), model.config.max_len)),
+                      np.int32)
+    for r, p in enumerate(prompt_ids):
+        tokens[r, : len(p)] = p
+    return prefill(config, params, tokens, np.array([len(p) for p in prompt_ids], np.int32),
+                   rows, args)
 
 
 def prepare(model: DecoderModel, params: Any, prompt_ids: Sequence[Sequence[int]],
@@ -404,50 +384,24 @@ def prepare(model: DecoderModel, params: Any, prompt_ids: Sequence[Sequence[int]
 
     Rows with a response_format are compiled against `tokenizer` (constraints.prepare_rows).
     `research`: the run's research options (research.configure), applied from the prefill on."""
-    if not prompt_ids or not all(len(p) > 0 for p in prompt_ids):
-        raise ValueError("prompt_ids: expected a non-empty list of non-empty token-id lists")
+    cfg = model.config
+    _check_prompts(cfg, prompt_ids)
     b = len(prompt_ids)
     rows_sp = [sampling] * b if isinstance(sampling, SamplingParams) else list(sampling)
     if len(rows_sp) != b:
         raise ValueError(f"sampling: expected 1 or {b} SamplingParams, got {len(rows_sp)}")
-    cfg = model.config
     n = max(s.max_tokens for s in rows_sp) if max_new_tokens is None else int(max_new_tokens)
     if n < 1:
         raise ValueError(f"max_new_tokens: must be >= 1, got {max_new_tokens}")
-    longest = max(len(p) for p in prompt_ids)
-    if longest > cfg.max_len:
-        raise ValueError(f"prompt_ids: a prompt of {longest} tokens exceeds the model's "
-                         f"max_len {cfg.max_len}")
-    for p in prompt_ids:
-        bad = [i for i in p if not 0 <= int(i) < cfg.vocab_size]
-        if bad:
-            raise ValueError(f"prompt_ids: token id {bad[0]} is outside the vocabulary "
-                             f"(size {cfg.vocab_size})")
-    t = bucket(longest, cfg.max_len)
-    size = cache_len(longest, n, cfg.max_len)
-    if key is None:
-        key = jax.random.key(0)
-    keys = np.stack([seed_key_data(s.seed) if s.seed is not None
-                     else np.asarray(jax.random.key_data(jax.random.fold_in(key, r)), np.uint32)
-                     for r, s in enumerate(rows_sp)])
+    keys = _row_keys(rows_sp, key)
     rows_sp = [dataclasses.replace(s, max_tokens=min(s.max_tokens, n),
                                    min_tokens=min(s.min_tokens, n)) for s in rows_sp]
     eos = cfg.eos_token_ids if eos_token_ids is None else tuple(eos_token_ids)
     rows = RowParams.build(rows_sp, cfg.vocab_size, eos, keys=keys)
     grammar = constraints.prepare_rows(rows_sp, tokenizer, cfg.vocab_size, eos)  # before prefill
-    if research is not None and research.config.interventions:
-        if any(s.n > 1 for s in rows_sp):
-            raise ValueError("interventions: not supported with n > 1 (the prompt pass is "
-                             "shared by the samples; give each sample its own prompt row)")
-        # intervention args may hold one value per row: one batched prompt pass (the
-        # batch-invariance promise excludes interventions, docs/batch_invariance.md)
-        tokens = np.zeros((b, t), np.int32)
-        for r, p in enumerate(prompt_ids):
-            tokens[r, : len(p)] = p
-        state = prefill(model, params, tokens, np.array([len(p) for p in prompt_ids], np.int32),
-                        rows, size, research=research.config, research_args=research.args)
-    else:
-        state = stack_rows(prefill_rows(model, params, prompt_ids, rows, size, research))
+    size = cache_len(max(len(p) for p in prompt_ids), n, cfg.max_len)
+    state = _prompt_pass(model, params, prompt_ids, rows, size, research,
+                         [s.n for s in rows_sp])
     if grammar is not None:  # constraints: tables + initial per-row states
         state = state.replace(grammar_state=jnp.asarray(grammar[1]), grammar=grammar[0].tables)
     if any(s.n > 1 for s in rows_sp):
@@ -464,32 +418,6 @@ def sample_keys(key_data: np.ndarray, n: int) -> np.ndarray:
                        for i in range(1, n)])
 
 
-def take_rows(state: Any, index) -> Any:
-    """Rows `index` of a decoding state (a StepState or a speculative SpecState): per-row
-    arrays gathered along axis 0, every KVCache along its batch axis (axis 1 of k and v); the
-    shared grammar tables untouched, the per-row grammar_state gathered."""
-    def take(x):
-        if isinstance(x, KVCache):
-            return x.replace(k=jnp.take(x.k, index, axis=1), v=jnp.take(x.v, index, axis=1),
-                             lengths=jnp.take(x.lengths, index, axis=0))
-        return jnp.take(x, index, axis=0)
-
-    rows = jax.tree.map(take, state.replace(grammar=None),
-                        is_leaf=lambda x: isinstance(x, KVCache))
-    return rows.replace(grammar=state.grammar)
-
-
-def pad_rows(state: Any, rows: int) -> Any:
-    """At least `numerics.MIN_ROWS` rows: a state of fewer rows (a lone request) gets copies
-    of its last row marked done, which select and write nothing (batch invariance: no
-    program runs a batch of one row). Callers keep only their `rows` first outputs."""
-    if rows >= numerics.MIN_ROWS:
-        return state
-    index = np.minimum(np.arange(numerics.MIN_ROWS), rows - 1).astype(np.int32)
-    state = take_rows(state, jnp.asarray(index))
-    return state.replace(done=state.done | (jnp.arange(numerics.MIN_ROWS) >= rows))
-
-
 def expand_n(state: StepState, rows_sp: Sequence[SamplingParams], keys: np.ndarray,
              vocab_size: int, eos: Sequence[int]):
     """Parallel sampling (SamplingParams.n): request r becomes n_r adjacent rows that share its
@@ -499,8 +427,29 @@ def expand_n(state: StepState, rows_sp: Sequence[SamplingParams], keys: np.ndarr
     keys = np.concatenate([sample_keys(k, s.n) for k, s in zip(keys, rows_sp)])
     rows_sp = [rows_sp[r] for r in index]
     rows = RowParams.build(rows_sp, vocab_size, eos, keys=keys)
-    state = take_rows(state, jnp.asarray(index, jnp.int32))
+    state = cache_ops.take_rows(state, jnp.asarray(index, jnp.int32))
     return state.replace(rows=jax.tree.map(jnp.asarray, rows)), rows_sp
+
+
+def _drive(config: StepConfig, params: Any, state: StepState, n: int, trace: bool,
+           setup: Optional[research_lib.Setup]):
+    """Run the steps with either driver. Returns (final state, host buffers (tokens, logprob,
+    top ids, top logprobs) [B, M, ...], research extras)."""
+    args = None if setup is None else setup.args
+    if trace:
+        with contextlib.nullcontext() if setup is None else setup.callback_scope():
+            state, bufs, extra = _generate_loop(LoopConfig(config, bucket(n)), params, state,
+                                                args)
+        return state, tuple(np.asarray(x) for x in bufs), extra
+    outs = []
+    for state, out in iterate(config, params, state, n, args):
+        if setup is not None:
+            setup.host_step(len(outs), out)
+        outs.append(out)
+    extra = None if setup is None else research_lib.stack_host(outs)
+    bufs = tuple(np.stack([getattr(o, name) for o in outs], 1)
+                 for name in ("token", "logprob", "top_ids", "top_logprobs"))
+    return state, bufs, extra
 
 
 def generate(model: DecoderModel, params: Any, prompt_ids: Sequence[Sequence[int]],
@@ -519,8 +468,8 @@ def generate(model: DecoderModel, params: Any, prompt_ids: Sequence[Sequence[int
     n over the prompts, in prompt order, samples by index); sample 0 uses the request key and
     sample i >= 1 fold_in(request key, i), so a seeded request's n samples are reproducible.
     `trace=False` drives the same step from a Python loop instead of `lax.while_loop`.
-    `tokenizer` is needed when a row has a response_format (jaxdecode/constraints).
-    Research options (jaxdecode/research.py, jaxdecode/hooks.py): `processors` (custom
+    `tokenizer` is needed when a row has a response_format (jaxdecode/device/constraints).
+    Research options (jaxdecode/device/research.py, hooks.py): `processors` (custom
     jd.LogitProcessor), `return_scores`, `return_logits` (with `outputs_top_k`),
     `return_hidden_states`, step `observers`, `host_callback`, `interventions` (jd.steer,
     jd.ablate, jd.Intervention).
@@ -532,46 +481,12 @@ def generate(model: DecoderModel, params: Any, prompt_ids: Sequence[Sequence[int
         observers=observers, host_callback=host_callback, interventions=interventions)
     state, rows_sp, n = prepare(model, params, prompt_ids, sampling, max_new_tokens, key,
                                 tokenizer=tokenizer, research=setup)
-    b = len(rows_sp)
-    state = pad_rows(state, b)
-    k = max(s.logprobs for s in rows_sp)
-    buffer_len = bucket(n)
-    config = None if setup is None else setup.config
-    if trace:
-        with contextlib.nullcontext() if setup is None else setup.callback_scope():
-            state, bufs, extra = _generate_loop(model, params, state, buffer_len, k, config,
-                                                None if setup is None else setup.args)
-            tokens, logprob, top_ids, top_lp = (np.asarray(x) for x in bufs)
-    else:
-        outs = []
-        for state, out in iterate(model, params, state, n, k, config,
-                                  None if setup is None else setup.args):
-            if setup is not None:
-                setup.host_step(len(outs), out)
-            outs.append(out)
-        extra = None if setup is None else research_lib.stack_host(outs)
-        stack = lambda name: np.stack([getattr(o, name) for o in outs], 1)  # noqa: E731
-        tokens, logprob, top_ids, top_lp = (stack(x) for x in
-                                            ("token", "logprob", "top_ids", "top_logprobs"))
-    finish = np.asarray(state.finish)[:b]
-    step = np.asarray(state.step)[:b]
-    failed = np.isin(finish, FAILED_CODES)
-    lengths = np.where(failed, step - 1, step).astype(np.int32)
-    tokens, logprob, top_ids, top_lp = (x[:b] for x in (tokens, logprob, top_ids, top_lp))
-    tokens, logprob = _fit(tokens, n), _fit(logprob, n)
-    after_end = np.arange(n)[None, :] >= lengths[:, None]
-    tokens[after_end], logprob[after_end] = -1, 0.0
-    result = GenerateOutput(
-        token_ids=tokens.astype(np.int32), lengths=lengths,
-        finish_reasons=[FINISH_REASONS[int(c)] for c in finish],
-        errors=[ERRORS.get(int(c)) for c in finish],
-        logprobs=logprob,
-        top_logprobs=(_fit(top_ids, n), _fit(top_lp, n)) if k else None)
+    b, k = len(rows_sp), max(s.logprobs for s in rows_sp)
+    config = StepConfig(model, k, None, None if setup is None else setup.config)
+    state = cache_ops.pad_rows(state, b, config.research)
+    state, bufs, extra = _drive(config, params, state, n, trace, setup)
+    tokens, logprob, top_ids, top_lp = (x[:b] for x in bufs)
+    result = outputs.build(tokens, logprob, np.asarray(state.finish)[:b],
+                           np.asarray(state.step)[:b], n,
+                           top_logprobs=(top_ids, top_lp) if k else None)
     return result if setup is None else setup.finish(result, extra, state.research, n)
-
-
-def _fit(x: np.ndarray, width: int) -> np.ndarray:
-    if x.shape[1] >= width:
-        return x[:, :width].copy()
-    pad = [(0, 0), (0, width - x.shape[1])] + [(0, 0)] * (x.ndim - 2)
-    return np.pad(x, pad)

@@ -24,6 +24,7 @@ module level), not as a fresh lambda per call.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 from typing import Any, Callable, Optional, Sequence
@@ -144,10 +145,21 @@ def make_hook(interventions: Sequence[Intervention], args: Sequence[Any],
     return hook
 
 
-@functools.partial(jax.jit, static_argnums=(0, 4, 5, 7))
-def _capture(model, params, tokens, lengths, points, interventions, args, dtype):
+@dataclasses.dataclass(frozen=True)
+class CaptureConfig:
+    """Static part of a capture pass: the model, the points, the interventions, the dtype."""
+
+    model: DecoderModel
+    points: tuple
+    interventions: tuple
+    dtype: Any
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _capture(config: CaptureConfig, params, tokens, lengths, args):
+    model, points, interventions = config.model, config.points, config.interventions
     b, t = tokens.shape
-    cache = model.init_cache(b, t, dtype)
+    cache = model.init_cache(b, t, config.dtype)
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     captured: dict = {}
     hook = make_hook(interventions, args, points, captured, lambda x: x)
@@ -179,8 +191,8 @@ def capture_activations(model: DecoderModel, params: Any, prompt_ids: Sequence[S
     for r, p in enumerate(prompt_ids):
         tokens[r, :len(p)] = p
     lengths = np.array([len(p) for p in prompt_ids], np.int32)
-    acts, logits = _capture(model, params, tokens, lengths, points, interventions,
-                            intervention_args(interventions), params_dtype(params))
+    config = CaptureConfig(model, points, interventions, params_dtype(params))
+    acts, logits = _capture(config, params, tokens, lengths, intervention_args(interventions))
     acts = {p: np.asarray(acts[p]) for p in points}
     return (acts, np.asarray(logits)) if return_logits else acts
 

@@ -49,7 +49,7 @@ raw logits, per step, as `scores` / `logits` f32[B, N, V] (0 after a row's end);
 `logit_ids` int32[B, N, K]). `return_hidden_states=(layers...)`: per step, the activation at
 the position whose logits chose the token (the last prompt position for step 1), as
 `hidden_states[layer]` f32[B, N, hidden]; a layer is an int in HF `output_hidden_states`
-indexing (0 = embeddings, L = after the final norm) or a hook point name (jaxdecode/hooks.py).
+indexing (0 = embeddings, L = after the final norm) or a hook point name (jaxdecode/device/hooks.py).
 
 Step observers
 --------------

@@ -20,7 +20,7 @@ Array = jax.Array
 
 # Device finish codes (0 = still running). Mapped to FinishReason / ErrorCode on the host.
 RUNNING, EOS, STOP_TOKEN, MAX_TOKENS, CONTEXT_LIMIT, ALL_MASKED, MODEL_ERROR = range(7)
-# constraints (jaxdecode/constraints): the grammar accepted and allows nothing more; every token
+# constraints (jaxdecode/device/constraints): the grammar accepted and allows nothing more; every token
 # masked on a constrained row (SPEC P2, ErrorCode.GRAMMAR_DEAD_END)
 GRAMMAR_COMPLETE, GRAMMAR_DEAD_END = 7, 8
 
@@ -91,24 +91,45 @@ def seed_key_data(seed: int) -> np.ndarray:
 
 
 @struct.dataclass
-class StepState:
-    """Everything the decode step needs before selecting token t of each row (SPEC §2).
+class RowState:
+    """What every decoding state carries per row, B rows, V vocabulary (the plain `StepState`
+    and the speculative `SpecState` extend it):
+
+    rows:       RowParams
+    step:       int32[B] tokens selected so far (t - 1; the RNG cursor)
+    counts:     int32[B, V] occurrences of each id in the output (frequency/presence penalties)
+    seen:       bool[B, V] ids present in prompt or output (repetition penalty, HF semantics)
+    done:       bool[B] the row has ended (or its slot is empty); it selects and writes nothing
+    paused:     bool[B] the row skips steps and stays exactly as it is (back-pressure, SPEC B1)
+    finish:     int32[B] device finish code (RUNNING while live)
+    """
+
+    rows: RowParams
+    step: Array
+    counts: Array
+    seen: Array
+    done: Array
+    paused: Array
+    finish: Array
+
+    @property
+    def live(self) -> Array:
+        return ~self.done & ~self.paused
+
+
+@struct.dataclass
+class StepState(RowState):
+    """Everything the decode step needs before selecting token t of each row (SPEC §2): the
+    per-row fields of `RowState` and
 
     cache:      KVCache covering prompt + y[1:t-1] of each row (its `lengths` is where y_t goes)
     logits:     f32[B, V] raw next-token logits for that prefix
     last_token: int32[B] the most recently selected token (-1 before the first)
-    step:       int32[B] tokens selected so far (t - 1)
-    counts:     int32[B, V] occurrences of each id in the output (frequency/presence penalties)
-    seen:       bool[B, V] ids present in prompt or output (repetition penalty, HF semantics)
-    done:       bool[B] the row has ended; it selects and writes nothing more
-    paused:     bool[B] the row skips steps and stays exactly as it is (back-pressure, SPEC B1)
-    finish:     int32[B] device finish code (RUNNING while live)
-    rows:       RowParams
     grammar_state: int32[B] automaton state of each row (-1 = unconstrained), or None when no
                 row of the batch is constrained. Per row, it moves with the cache: beams gather
                 it, speculative decoding rolls it back with `cache.lengths`.
     grammar:    constraints.GrammarTables shared by all rows (not per row: vmap in_axes=None),
-                or None. See jaxdecode/constraints/__init__.py.
+                or None. See jaxdecode/device/constraints/__init__.py.
     research:   research.ResearchState (custom processor states, ids, captured activations;
                 every leaf per row), or None when no research option is used.
     """
@@ -116,17 +137,9 @@ class StepState:
     cache: KVCache
     logits: Array
     last_token: Array
-    step: Array
-    counts: Array
-    seen: Array
-    done: Array
-    paused: Array
-    finish: Array
-    rows: RowParams
-    # -- constraints (jaxdecode/constraints); None = no constrained row, the step is unchanged --
+    # constraints and research: None = not used, the step is unchanged
     grammar_state: Optional[Array] = None
     grammar: Optional[Any] = None
-    # -- research (jaxdecode/research.py); None = no research option, the step is unchanged --
     research: Optional[Any] = None
 
 
@@ -136,7 +149,7 @@ class StepOutput:
 
     token: int32[B] y_t (-1 for rows that were already done); finish: int32[B] code set this step;
     logprob: f32[B] raw model log-probability of y_t; top_ids/top_logprobs: [B, K] (K may be 0).
-    Research options only (jaxdecode/research.py; None otherwise): scores f32[B, V] the processed
+    Research options only (jaxdecode/device/research.py; None otherwise): scores f32[B, V] the processed
     log-probabilities selection used and logits f32[B, V] the raw logits (each (values, ids)
     [B, K] with a top K); hidden {point: f32[B, hidden]} at the position whose logits chose y_t;
     observed: one pytree per step observer.

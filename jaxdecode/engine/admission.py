@@ -1,5 +1,6 @@
 """What one request may ask of an engine: checked once, at submission, on the values the engine
-will actually use (`jd.LLM` calls `check` from `submit` / `generate` / `submit_beams`).
+will actually use (`Admission.request`, called by `jd.LLM`'s `submit` / `generate` /
+`submit_beams`, builds the engine's `Request` only once every check passed).
 
 `SamplingParams` already holds every value to its device dtype and range; here come the limits
 that need the engine (`EngineLimits`):
@@ -18,15 +19,27 @@ and the beam lane forms its calls within the budget (rows beyond it wait for the
 Sampled n runs as n slot requests over the preallocated slot KV, so n x length needs no extra
 memory: n waits for free slots, bounded by `max_n` and the queue.
 
+A response_format is compiled here too, in the submitting thread, within the engine's
+`CompileBudget` (time, memory and automaton states; `cancelled()` abandons it).
+
 Every violation is `ValueError("<field>: ...")`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import os
+from typing import Any, Callable, Optional, Sequence, Union
 
-from jaxdecode.device import decode
 from jaxdecode.config import SamplingParams
+from jaxdecode.device import constraints, decode
+from jaxdecode.device.state import seed_key_data
+from jaxdecode.engine.request import Request
+from jaxdecode.prompts import token_row
+from jaxdecode.tokenization import encode, eos_token_id
+
+Prompt = Union[str, Sequence[int]]
 
 MAX_NUM_BEAMS = 16
 MAX_N = 128
@@ -74,3 +87,125 @@ def check(sp: SamplingParams, prompt_len: int, limits: EngineLimits) -> Sampling
                          f"{prompt_len}-token prompt leaves in max_len {limits.max_len}), "
                          f"got {sp.min_tokens}")
     return sp if max_new == sp.max_tokens else dataclasses.replace(sp, max_tokens=max_new)
+
+
+def _integer(name: str, value: Any, low: int = 1, high: Optional[int] = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (
+            high is not None and value > high):
+        bound = f"in [{low}, {high}]" if high is not None else "a positive integer"
+        raise ValueError(f"{name}: must be {bound}, got {value!r}")
+
+
+def check_sizes(max_slots: int, max_len: int, max_queue: int, model_max_len: int) -> None:
+    """The engine's sizes (ValueError naming the argument)."""
+    _integer("max_slots", max_slots)
+    _integer("max_len", max_len, 2, model_max_len)
+    _integer("max_queue", max_queue)
+
+
+def check_options(spec: Any, research: Any, mesh: Any, step_hook: Any) -> None:
+    """The engine options that do not go together (ValueError naming one of them)."""
+    if spec is not None and mesh is not None:
+        raise ValueError("speculative: not supported together with mesh yet")
+    if research is not None and spec is not None:
+        raise ValueError("processors: not supported together with speculative= in the "
+                         "engine (jd.speculative_generate takes processors)")
+    if research is not None and step_hook is not None:
+        raise ValueError("processors: not supported with step_hook (multi-host followers "
+                         "run no user code)")
+
+
+def ending_tokens(model: Any, tokenizer: Any, eos_token_ids: Optional[Sequence[int]]) -> tuple:
+    """The engine's EOS ids: the given ones, else the model's, else the tokenizer's."""
+    if eos_token_ids is None:
+        eos_token_ids = model.config.eos_token_ids
+        if not eos_token_ids and eos_token_id(tokenizer) is not None:
+            eos_token_ids = (eos_token_id(tokenizer),)
+    return tuple(eos_token_ids)
+
+
+def per_prompt(params: Any, prompts: list) -> list:
+    """`LLM.generate`'s settings: one SamplingParams for every prompt, or one per prompt."""
+    if isinstance(params, (list, tuple)):
+        if len(params) != len(prompts):
+            raise ValueError(f"params: expected 1 or {len(prompts)} SamplingParams, "
+                             f"got {len(params)}")
+        return list(params)
+    return [params if params is not None else SamplingParams()] * len(prompts)
+
+
+def ending_ids(eos_token_ids: tuple, sp: SamplingParams) -> tuple:
+    """The ids that end a beam: the engine's EOS ids (none with ignore_eos) and the single
+    stop ids (the grammar vocabulary excludes them too)."""
+    eos = () if sp.ignore_eos else tuple(eos_token_ids)
+    return tuple(dict.fromkeys(eos + sp.single_stop_ids))
+
+
+@dataclasses.dataclass
+class Admission:
+    """Builds the engine's requests (module docstring): the tokenizer, the vocabulary, the
+    limits, the constraint budget and the speculative option's own request checks; `stream`
+    holds the stream settings (max_buffered, backpressure) and `trace` the trace switch."""
+
+    model: Any
+    tokenizer: Any
+    limits: EngineLimits
+    budget: constraints.CompileBudget
+    eos_token_ids: tuple
+    stream: dict
+    trace: bool = True
+    speculative: Optional[Any] = None  # engine.speculative.SpeculativeConfig
+
+    def __post_init__(self):
+        self._ids = itertools.count()
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        ids = encode(self.tokenizer, prompt) if isinstance(prompt, str) else token_row(
+            prompt, "prompt")
+        if not ids:
+            raise ValueError("prompt: empty prompt (it encodes to no tokens)")
+        vocab = self.model.config.vocab_size
+        bad = [i for i in ids if not 0 <= i < vocab]
+        if bad:
+            raise ValueError(f"prompt: token id {bad[0]} is outside the vocabulary "
+                             f"(size {vocab})")
+        if len(ids) >= self.limits.max_len:
+            raise ValueError(f"prompt: {len(ids)} tokens leave no room in max_len "
+                             f"{self.limits.max_len}")
+        return ids
+
+    def new_id(self) -> str:
+        return f"req-{next(self._ids)}"
+
+    def request(self, prompt: Prompt, params: Optional[SamplingParams],
+                request_id: Optional[str] = None, prompt_index: int = 0, index: int = 0,
+                output_kind: Optional[str] = None,
+                cancelled: Optional[Callable[[], bool]] = None) -> Request:
+        """Every check a request gets, before it is queued: SamplingParams' own, the
+        vocabulary, the engine limits (`check`), the constraint compile (within its budget)."""
+        sp = params if params is not None else SamplingParams()
+        if not isinstance(sp, SamplingParams):
+            raise ValueError(f"params: expected SamplingParams, got {type(sp).__name__}")
+        if sp.n != 1 and output_kind is None:
+            raise ValueError("n: submit() and stream() take one sample; use generate() for n > 1")
+        prompt_ids = self.encode(prompt)
+        sp.check_vocab(self.model.config.vocab_size)
+        device_sp = check(sp, len(prompt_ids), self.limits)  # before a compile
+        if self.speculative is not None and sp.num_beams == 1:  # beams take the beam lane
+            self.speculative.check_request(sp)
+        grammar = None
+        if sp.response_format is not None and sp.response_format.get("type") != "text":
+            # the vocabulary its lane compiles with, so the beam lane finds it in the cache
+            ending = (ending_ids(self.eos_token_ids, sp) if sp.num_beams > 1
+                      else self.eos_token_ids)
+            vocab = constraints.vocab_for(self.tokenizer, self.model.config.vocab_size,
+                                          exclude_ids=ending)
+            grammar = constraints.compile_format(sp.response_format, vocab, budget=self.budget,
+                                                 cancelled=cancelled)
+        seed = sp.seed if sp.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+        key = decode.sample_keys(seed_key_data(seed), sp.n)[index]  # as jd.generate does
+        return Request(request_id or self.new_id(), prompt_ids, sp, tokenizer=self.tokenizer,
+                       prompt_text=prompt if isinstance(prompt, str) else None, seed=seed,
+                       key_data=key, prompt_index=prompt_index, index=index,
+                       output_kind=output_kind or sp.output_kind, trace=self.trace,
+                       grammar=grammar, device_sampling=device_sp, **self.stream)

@@ -32,22 +32,18 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxdecode.device import decode, numerics, slots
-from jaxdecode.engine import speculative_engine
+from jaxdecode.device import decode, numerics
 from jaxdecode.device.beam import beam_search
-from jaxdecode.config import SamplingParams
 from jaxdecode.device.constraints.tables import GrammarTables
-from jaxdecode.model_api import DecoderModel
 from jaxdecode.device.state import RowParams, StepState
+from jaxdecode.engine.backend import PlainBackend, SlotBackend, SpeculativeBackend
+from jaxdecode.engine.scheduler import kv_bucket
+from jaxdecode.model_api import DecoderModel
 
 VERSION = 1
 INIT, ADMIT, RESTORE, GRAMMAR, FLAGS, STEP, RESET, WARMUP, STOP, BEAM = range(1, 11)
 NAMES = {INIT: "init", ADMIT: "admit", RESTORE: "restore", GRAMMAR: "grammar", FLAGS: "flags",
          STEP: "step", RESET: "reset", WARMUP: "warmup", STOP: "stop", BEAM: "beam"}
-
-# Attention reads only the first kv_len cache positions, a power of two >= this covering every
-# live row: few compiled variants, and short requests never pay for a long max_len.
-KV_BUCKET_MIN = 256
 
 _TABLE_FIELDS = ("allowed", "accepting", "has_next", "dense_next", "indptr", "tokens", "targets")
 
@@ -101,7 +97,7 @@ def admit(tokens: np.ndarray, lengths: np.ndarray, targets: np.ndarray, rows: Ro
     (max_slots drops a padding row); rows: RowParams of numpy arrays. `apply` prefills each row
     alone at its own prompt bucket (batch invariance, docs/batch_invariance.md). `resume` =
     (step int32[n], counts int32[n, V], last token int32[n], prompt length int32[n]) for rows
-    whose tokens end with output they already selected (`LLM._recover`): the row continues at
+    whose tokens end with output they already selected (`EngineCore.recover`): the row continues at
     that step with those penalty counts (custom processors see its own prompt length)."""
     arrays = {"tokens": tokens, "lengths": lengths, "targets": targets}
     arrays.update({"rows." + k: np.asarray(v) for k, v in vars(rows).items()})
@@ -200,7 +196,8 @@ class Context:
     replicate_outputs: gather each step's output (tokens, finish codes, ...) onto every device,
     so the leader can read it when the state is spread over other hosts' devices. It is a
     collective, so the leader and its followers must agree: it is on exactly when a mesh is
-    used with a step hook (the leader) or in a follower."""
+    used with a step hook (the leader) or in a follower. `spec`: a SpeculativeConfig (steps are
+    speculative rounds); `research`: the engine's custom processors (research.Setup)."""
 
     model: DecoderModel
     params: Any
@@ -210,8 +207,8 @@ class Context:
     mesh: Optional[Any] = None
     replicate_outputs: bool = False
     tokenizer: Any = None  # BEAM: compiles a response_format
-    spec: Optional[Any] = None  # a speculative_engine.SpeculativeRunner: steps are its rounds
-    research: Optional[Any] = None  # research.Setup: the engine's custom processors
+    spec: Optional[Any] = None
+    research: Optional[Any] = None
 
     @property
     def rows(self) -> int:
@@ -223,35 +220,29 @@ class Context:
         """A per-slot array ([max_slots]) extended with zeros to the state's rows."""
         return np.concatenate([mask, np.zeros((self.rows - len(mask),), mask.dtype)])
 
+    @functools.cached_property
+    def backend(self) -> SlotBackend:
+        """The slot backend that runs this context's device (engine/backend.py)."""
+        args = (self.model, self.params, self.rows, self.max_len, self.eos_token_ids)
+        if self.spec is not None:
+            return SpeculativeBackend(self.spec, *args)
+        return PlainBackend(*args, research=self.research, mesh=self.mesh,
+                            replicate_outputs=self.replicate_outputs)
 
-def _research(ctx: Context) -> dict:
-    """The keywords of prefill / decode steps for the engine's custom processors (none
-    without them, so the default calls stay exactly as they are)."""
-    if ctx.research is None:
-        return {}
-    return {"research": ctx.research.config, "research_args": ctx.research.args}
 
-
-def apply(ctx: Context, state: Optional[StepState], op: StepOp) -> tuple[Optional[StepState], Any]:
-    """Apply `op` to `state`: returns the new state and the op's output (STEP: the StepOutput;
-    BEAM: the GenerateOutput; WARMUP: the number of compilations; otherwise None). The state
-    is donated."""
-    a = op.arrays
+def apply(ctx: Context, state: Optional[Any], op: StepOp) -> tuple[Optional[Any], Any]:
+    """Apply `op` to `state`: returns the new state and the op's output (STEP: the backend's
+    device output; BEAM: the GenerateOutput; WARMUP: the number of compilations; otherwise
+    None). The state is donated."""
+    a, backend = op.arrays, ctx.backend
     if op.code == INIT:
         _check_config(ctx, op)
-        return _empty_state(ctx), None
+        return backend.empty_state(), None
     if op.code == ADMIT:
-        rows = RowParams(**{k[5:]: v for k, v in a.items() if k.startswith("rows.")})
-        for i, target in enumerate(a["targets"]):
-            if target < ctx.max_slots:  # not a padding row
-                row = {k: v[i:i + 1] for k, v in a.items()
-                       if k in ("targets", "grammar_state") or k.startswith("resume.")}
-                state = _admit_row(ctx, state, a["tokens"][i, :a["lengths"][i]],
-                                   decode.one_row(rows, i), row)
-        return state, None
+        return _admit(ctx, state, a), None
     if op.code == RESTORE:
         target = np.array([op.scalar("slot")], np.int32)
-        return slots.insert(state, _saved_row(ctx, a), target), None
+        return backend.insert(state, _saved_row(ctx, a), target), None
     if op.code == GRAMMAR:
         old = (state.grammar_state if state.grammar_state is not None
                else np.full((ctx.rows,), -1, np.int32))
@@ -261,29 +252,38 @@ def apply(ctx: Context, state: Optional[StepState], op: StepOp) -> tuple[Optiona
             state = state.replace(grammar=_tables(ctx, a))
         return state, None
     if op.code == FLAGS:
-        return _slot_ops(ctx).set_flags(state, ctx.per_row(a["release"]),
-                                        ctx.per_row(a["paused"])), None
+        return backend.set_flags(state, ctx.per_row(a["release"]), ctx.per_row(a["paused"])), None
     if op.code == STEP:
-        if ctx.spec is not None:
-            return ctx.spec.step(state, op.scalar("kv_len"), op.scalar("top_logprobs"))
-        state, out = decode.decode_step_jit(ctx.model, ctx.params, state,
-                                            op.scalar("top_logprobs"), op.scalar("kv_len"),
-                                            **_research(ctx))
-        if ctx.replicate_outputs and ctx.mesh is not None:
-            out = _replicated(ctx.mesh, out)
-        return state, out
+        return backend.step(state, op.scalar("kv_len"), op.scalar("top_logprobs"))
     if op.code == RESET:
         return None, None
     if op.code == BEAM:
-        settings = json.loads(a["settings"].tobytes())
-        settings["eos_token_ids"] = tuple(settings["eos_token_ids"])
-        prompts = [t[:n].tolist() for t, n in zip(a["tokens"], a["lengths"])]
-        processors = () if ctx.research is None else ctx.research.config.processors
-        return state, beam_search(ctx.model, ctx.params, prompts, num_beams=a["widths"].tolist(),
-                                  tokenizer=ctx.tokenizer, processors=processors, **settings)
+        return state, _beam(ctx, a)
     if op.code == WARMUP:
         return state, warmup_shapes(ctx, op.scalar("max_prompt_len"), op.scalar("top_logprobs"))
     raise ValueError(f"op: {op.name} is not applied to a state (the follower loop ends on it)")
+
+
+def _admit(ctx: Context, state: Any, a: Mapping[str, np.ndarray]) -> Any:
+    """ADMIT: each row prefilled alone and scattered into its target slot (a target of
+    max_slots is a padding row, dropped)."""
+    rows = RowParams(**{k[5:]: v for k, v in a.items() if k.startswith("rows.")})
+    for i, target in enumerate(a["targets"]):
+        if target < ctx.max_slots:
+            row = {k: v[i:i + 1] for k, v in a.items()
+                   if k in ("targets", "grammar_state") or k.startswith("resume.")}
+            state = _admit_row(ctx, state, a["tokens"][i, :a["lengths"][i]],
+                               decode.one_row(rows, i), row)
+    return state
+
+
+def _beam(ctx: Context, a: Mapping[str, np.ndarray]) -> Any:
+    settings = json.loads(a["settings"].tobytes())
+    settings["eos_token_ids"] = tuple(settings["eos_token_ids"])
+    prompts = [t[:n].tolist() for t, n in zip(a["tokens"], a["lengths"])]
+    processors = () if ctx.research is None else ctx.research.config.processors
+    return beam_search(ctx.model, ctx.params, prompts, num_beams=a["widths"].tolist(),
+                       tokenizer=ctx.tokenizer, processors=processors, **settings)
 
 
 def _admit_row(ctx: Context, state: Any, prompt: np.ndarray, rows: RowParams,
@@ -292,11 +292,7 @@ def _admit_row(ctx: Context, state: Any, prompt: np.ndarray, rows: RowParams,
     (int32[1]; max_slots drops it: warm-up), with the row's "grammar_state" and "resume.*"
     arrays of an ADMIT op when present."""
     tokens, lengths = decode.row_tokens(prompt, ctx.max_len), np.array([len(prompt)], np.int32)
-    if ctx.spec is not None:
-        prefilled = ctx.spec.prefill(tokens, lengths, rows, ctx.max_len)
-    else:
-        prefilled = decode.prefill(ctx.model, ctx.params, tokens, lengths, rows, ctx.max_len,
-                                   **_research(ctx))
+    prefilled = ctx.backend.prefill(tokens, lengths, rows)
     if "grammar_state" in row:
         prefilled = prefilled.replace(grammar_state=row["grammar_state"])
     if "resume.step" in row:
@@ -307,66 +303,31 @@ def _admit_row(ctx: Context, state: Any, prompt: np.ndarray, rows: RowParams,
             resumed["research"] = prefilled.research.replace(
                 prompt_length=row["resume.prompt_length"])
         prefilled = prefilled.replace(**resumed)
-    return _slot_ops(ctx).insert(state, prefilled, row["targets"])
+    return ctx.backend.insert(state, prefilled, row["targets"])
 
 
-def _prompt_buckets(ctx: Context, max_prompt_len: int) -> list:
-    return sorted({decode.bucket(n, ctx.max_len)
-                   for n in range(1, min(max_prompt_len, ctx.max_len - 1) + 1)})
+def prompt_buckets(max_len: int, max_prompt_len: int) -> list:
+    """The prompt buckets of prompts up to `max_prompt_len` tokens."""
+    return sorted({decode.bucket(n, max_len) for n in range(1, min(max_prompt_len, max_len - 1)
+                                                               + 1)})
+
+
+def kv_buckets(max_len: int) -> list:
+    """Every attention bucket a step can use (scheduler.kv_bucket)."""
+    return sorted({kv_bucket(1 << i, max_len) for i in range(max_len.bit_length() + 1)})
 
 
 def warmup_shapes(ctx: Context, max_prompt_len: int, top_logprobs: int = 0) -> int:
     """Compile every shape the engine can meet for prompts up to `max_prompt_len`: the
-    one-row prefill for each prompt bucket, the slot scatter, and the decode step for each
+    one-row prefill for each prompt bucket, the slot scatter, the flags and the step for each
     attention bucket, without logprobs and with `top_logprobs` (the engine's two step
     variants). Returns the compilations."""
     before = decode.compilation_count()
-    if ctx.spec is not None:
-        return _warmup_speculative(ctx, max_prompt_len, top_logprobs, before)
-    model, params = ctx.model, ctx.params
-    state = _empty_state(ctx)
-    rows = RowParams.build([SamplingParams()], model.config.vocab_size, ctx.eos_token_ids,
-                           keys=np.zeros((1, 2), np.uint32))
-    for t in _prompt_buckets(ctx, max_prompt_len):
-        state = _admit_row(ctx, state, np.zeros((t,), np.int32), rows,
-                           {"targets": np.array([ctx.rows], np.int32)})
-    flags_ = np.zeros((ctx.rows,), bool)
-    state = slots.set_flags(state, flags_, flags_)
-    kv = min(KV_BUCKET_MIN, ctx.max_len)
-    while True:
-        for k in (0, top_logprobs):
-            state, out = decode.decode_step_jit(model, params, state, k, kv, **_research(ctx))
-            if ctx.replicate_outputs and ctx.mesh is not None:
-                out = _replicated(ctx.mesh, out)
-        if kv >= ctx.max_len:
-            break
-        kv = min(2 * kv, ctx.max_len)
+    state = ctx.backend.warmup(ctx.backend.empty_state(), prompt_buckets(ctx.max_len,
+                                                                         max_prompt_len),
+                               kv_buckets(ctx.max_len), sorted({0, top_logprobs}))
     jax.block_until_ready(state)
     return decode.compilation_count() - before
-
-
-def _warmup_speculative(ctx: Context, max_prompt_len: int, top_logprobs: int,
-                        before: int) -> int:
-    kv_buckets = sorted({min(max(decode.bucket(n), KV_BUCKET_MIN), ctx.max_len)
-                         for n in (1 << i for i in range(ctx.max_len.bit_length() + 1))})
-    state = _empty_state(ctx)
-    state = ctx.spec.warmup(state, _prompt_buckets(ctx, max_prompt_len), kv_buckets,
-                            (0, top_logprobs), ctx.max_len, ctx.eos_token_ids)
-    jax.block_until_ready(state)
-    return decode.compilation_count() - before
-
-
-def _empty_state(ctx: Context) -> Any:
-    """The engine's state before any request: `ctx.rows` rows, every one done."""
-    if ctx.spec is not None:
-        return ctx.spec.empty_state(ctx.rows, ctx.max_len, ctx.eos_token_ids)
-    return slots.empty_state(ctx.model, ctx.params, ctx.rows, ctx.max_len, ctx.eos_token_ids,
-                             mesh=ctx.mesh, **_research(ctx))
-
-
-def _slot_ops(ctx: Context) -> Any:
-    """The module with `insert` and `set_flags` for the engine's state type."""
-    return slots if ctx.spec is None else speculative_engine
 
 
 def _check_config(ctx: Context, op: StepOp) -> None:
@@ -413,13 +374,3 @@ def _tables(ctx: Context, a: Mapping[str, np.ndarray]) -> GrammarTables:
            if ctx.mesh is not None else jnp.asarray)
     fields = {f: put(a["tables." + f]) for f in _TABLE_FIELDS if "tables." + f in a}
     return GrammarTables(vocab_size=int(a["tables.vocab_size"]), **fields)
-
-
-def _replicated(mesh: Any, tree: Any) -> Any:
-    """`tree` gathered onto every device of `mesh` (a collective: every process calls it)."""
-    return _replicator(mesh)(tree)
-
-
-@functools.lru_cache(maxsize=None)
-def _replicator(mesh: Any):
-    return jax.jit(lambda tree: tree, out_shardings=NamedSharding(mesh, PartitionSpec()))

@@ -356,8 +356,10 @@ class Lifecycle:
         self.trace.append(ev)
         return ev
 
-    def emit_delta(self, text: str, logprobs: Optional[Sequence[Any]] = None) -> Optional[Event]:
-        """Append a text delta (with its tokens' `logprobs`, see `OrderedStream.emit`) unless
+    def emit_delta(self, text: str, logprobs: Optional[Sequence[Any]] = None,
+                   offsets: Sequence[int] = ()) -> Optional[Event]:
+        """Append a text delta (with its tokens' `logprobs` and text `offsets`, see
+        `OrderedStream.emit`) unless
         the request is terminal (L3) or its cancel was observed (L4: the result of a step still
         in flight is discarded). None when nothing was sent."""
         if not text and not logprobs:
@@ -369,9 +371,9 @@ class Lifecycle:
             if not self._started:
                 self._emit_start_locked(None, {})
             if self.stream is not None:
-                return self.stream.emit(text, logprobs)
-            data = {"text": text} if logprobs is None else {"text": text,
-                                                            "logprobs": tuple(logprobs)}
+                return self.stream.emit(text, logprobs, offsets)
+            data = {"text": text} if logprobs is None else {
+                "text": text, "logprobs": tuple(logprobs), "offsets": tuple(offsets)}
             ev = Event("delta", self.request_id, self._seq, data, self.clock())
             self._seq += 1
             self.trace.append(ev)

@@ -21,8 +21,9 @@ event: ``completed`` (finish_reason, usage) / ``cancelled`` (finish_reason="canc
   terminal event (so concatenating delta texts gives the output in every kind except
   cumulative).
 - Log-probabilities: a delta emitted with ``logprobs`` (the request asked for them) carries
-  them in ``data["logprobs"]`` -- the entries of this delta's new tokens, in every kind;
-  ``final_only`` gathers them into its one delta. Such a delta is sent even when its text is
+  them in ``data["logprobs"]`` -- the entries of this delta's new tokens, in every kind -- and
+  where each of those tokens' text begins in the returned text in ``data["offsets"]``;
+  ``final_only`` gathers both into its one delta. Such a delta is sent even when its text is
   empty (tokens that showed no text, e.g. skipped special tokens, at the end).
 - T7: `Timings` records queue, prefill, decode, stop-buffer wait and send times separately; the
   stream measures ``send_s`` (time from append to hand-over to the reader).
@@ -146,6 +147,7 @@ class OrderedStream:
         self._dropped_after_terminal = 0
         self._parts: List[str] = []  # text so far (cumulative / final_only)
         self._final_logprobs: Optional[list] = None  # logprobs kept for the end (final_only)
+        self._final_offsets: list = []
         self._text_len = 0
         self._listeners: List[Callable[[], None]] = []
         self._reader_closed = False
@@ -169,9 +171,10 @@ class OrderedStream:
         self._notify()
         return ev
 
-    def emit(self, text: str, logprobs: Optional[Sequence[Any]] = None) -> Optional[Event]:
-        """Append a delta (with its tokens' `logprobs` when the request asked for them);
-        returns the event, or None when nothing was appended.
+    def emit(self, text: str, logprobs: Optional[Sequence[Any]] = None,
+             offsets: Sequence[int] = ()) -> Optional[Event]:
+        """Append a delta (with its tokens' `logprobs` and text `offsets` when the request
+        asked for logprobs); returns the event, or None when nothing was appended.
 
         Empty text without logprobs, final_only (kept for the end), after the terminal event
         (L3/T3) and after an overflow all return None.
@@ -188,12 +191,14 @@ class OrderedStream:
             if not self._started:
                 self._append_locked("start", {"model_snapshot": None})
             kind = self.output_kind
-            extra = {} if logprobs is None else {"logprobs": tuple(logprobs)}
+            extra = ({} if logprobs is None
+                     else {"logprobs": tuple(logprobs), "offsets": tuple(offsets)})
             if kind is OutputKind.FINAL_ONLY:
                 self._parts.append(text)
                 self._text_len += len(text)
                 if logprobs is not None:
                     self._final_logprobs = (self._final_logprobs or []) + list(logprobs)
+                    self._final_offsets += list(offsets)
                 return None
             unsent = self._next_seq - 1 - self._cursor
             cap = self.max_buffered
@@ -246,9 +251,10 @@ class OrderedStream:
             if self.output_kind is OutputKind.FINAL_ONLY and (self._parts
                                                               or self._final_logprobs):
                 extra = ({} if self._final_logprobs is None
-                         else {"logprobs": tuple(self._final_logprobs)})
+                         else {"logprobs": tuple(self._final_logprobs),
+                               "offsets": tuple(self._final_offsets)})
                 self._append_locked("delta", {"text": "".join(self._parts), **extra})
-                self._parts, self._final_logprobs = [], None
+                self._parts, self._final_logprobs, self._final_offsets = [], None, []
             ev = self._append_locked(kind, data)
             self._terminal = ev
         self._notify()

@@ -1,4 +1,4 @@
-"""The research API (jaxdecode/research.py, issue #16): decode-step time with one trivial custom
+"""The research API (jaxdecode/device/research.py, issue #16): decode-step time with one trivial custom
 processor, with the capture of one layer's hidden state, and with both, against none."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ def time_research(model, params, batches: Sequence[int] = (1, 16), steps: int = 
     """Chained `decode_step_jit` time per mode (rows sampled, T = 1): "none", "processor",
     "capture" (one layer's hidden state) and "both", measured round-robin in one process."""
     from jaxdecode.device import research
-    from jaxdecode.device.decode import decode_step_jit, prepare
+    from jaxdecode.device.decode import StepConfig, decode_step_jit, prepare
 
     options = {"none": {},
                "processor": dict(processors=[research.LogitProcessor(_trivial_processor)]),
@@ -38,8 +38,8 @@ def time_research(model, params, batches: Sequence[int] = (1, 16), steps: int = 
             setup = research.configure(model, **kwargs)
             state = prepare(model, params, ids[:batch], sp, steps + 1, None, research=setup)[0]
             config, args = (None, None) if setup is None else (setup.config, setup.args)
-            runs[mode] = (functools.partial(decode_step_jit, model, params, top_logprobs=0,
-                                            research=config, research_args=args), state)
+            runs[mode] = (functools.partial(decode_step_jit, params=params, research_args=args,
+                                            config=StepConfig(model, research=config)), state)
         report["rows"].append({"batch": batch, **step_times(runs, steps, repeats)})
     return report
 

@@ -1,4 +1,4 @@
-"""Structured output (jaxdecode/constraints): decode-step time with every row constrained
+"""Structured output (jaxdecode/device/constraints): decode-step time with every row constrained
 against none, and the index compile time per schema."""
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def time_constraints(model, params, tokenizer, batches: Sequence[int] = (1, 16),
     the full step (the step is computed for every row), so the figures compare like with like.
     """
     from jaxdecode.device import constraints
-    from jaxdecode.device.decode import decode_step_jit, prepare
+    from jaxdecode.device.decode import StepConfig, decode_step_jit, prepare
     from jaxdecode.tokenization import encode
 
     cfg = model.config
@@ -90,7 +90,7 @@ def time_constraints(model, params, tokenizer, batches: Sequence[int] = (1, 16),
         states["idle"] = states["idle"].replace(
             grammar_state=jnp.full((batch,), -1, jnp.int32))
 
-        step = functools.partial(decode_step_jit, model, params, top_logprobs=0)
+        step = functools.partial(decode_step_jit, params=params, config=StepConfig(model))
         row = {"batch": batch, **step_times({m: (step, states[m]) for m in modes}, steps,
                                             repeats)}
         for mode in modes[1:]:

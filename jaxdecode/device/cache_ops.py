@@ -1,0 +1,116 @@
+"""Row operations on decoding states: the one gather, scatter, stack and branch pick.
+
+A decoding state (`StepState`, the speculative `SpecState`, a `KVCache`) is a pytree whose
+leaves are per row: plain arrays with the rows on axis 0, and KV caches whose `k` / `v` have
+the rows on axis 1 (`[layers, rows, ...]`). The shared grammar tables (`state.grammar`) are not
+per row and pass through untouched. Every move of rows -- parallel samples sharing a prompt,
+a lone request padded to two rows, beam reorders, the engine's slot insert, the speculative
+branch pick -- goes through `rows_map` below, so the layout rule lives in one place.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxdecode.device import numerics
+from jaxdecode.model_api import KVCache
+
+Array = jax.Array
+
+
+def _is_cache(x: Any) -> bool:
+    return isinstance(x, KVCache)
+
+
+def rows_map(fn: Callable[..., Array], *trees: Any) -> Any:
+    """`fn(*leaves, axis=row axis)` over the per-row leaves of same-structured states: a
+    KVCache's k and v at axis 1 and its lengths at axis 0, every other array at axis 0. The
+    first tree's grammar tables are kept as they are."""
+    def leaf(*xs):
+        if _is_cache(xs[0]):
+            return xs[0].replace(k=fn(*(c.k for c in xs), axis=1),
+                                 v=fn(*(c.v for c in xs), axis=1),
+                                 lengths=fn(*(c.lengths for c in xs), axis=0))
+        return fn(*xs, axis=0)
+
+    stripped = [t.replace(grammar=None) if hasattr(t, "grammar") else t for t in trees]
+    out = jax.tree.map(leaf, *stripped, is_leaf=_is_cache)
+    return out.replace(grammar=trees[0].grammar) if hasattr(trees[0], "grammar") else out
+
+
+def take_rows(state: Any, index: Any) -> Any:
+    """Rows `index` (int32[n]) of a state, gathered."""
+    return rows_map(lambda x, axis: jnp.take(x, index, axis=axis), state)
+
+
+def scatter_rows(state: Any, rows: Any, slots: Array) -> Any:
+    """`state` with row i of `rows` written into row slots[i] (an index past the last row drops
+    that row: it pads a batch)."""
+    def put(big, small, axis):
+        index = (slice(None),) * axis + (slots,)
+        return big.at[index].set(small.astype(big.dtype), mode="drop")
+
+    return rows_map(put, state, rows)
+
+
+@jax.jit
+def stack_rows(states: Sequence[Any]) -> Any:
+    """The rows of several states as one batch, in order."""
+    return rows_map(lambda *xs, axis: jnp.concatenate(xs, axis), *states)
+
+
+def pick_branch(tree: Any, chosen: Array, axis: Optional[int] = None) -> Any:
+    """x[chosen[r]] for every row r of a tree whose leaves carry a leading branch axis before
+    their own layout (a KVCache's rows then sit on axis 2 of k and v). `axis`: the rows' axis
+    of every leaf (after the branch axis) when it is not the layout's (a tree of no cache)."""
+    def pick(x, axis):
+        x = jnp.moveaxis(x, axis + 1, 1)
+        return jnp.moveaxis(x[chosen, jnp.arange(x.shape[1])], 0, axis)
+
+    if axis is not None:
+        return jax.tree.map(lambda x: pick(x, axis), tree)
+    return rows_map(pick, tree)
+
+
+def pad_rows(state: Any, rows: int, research: Any = None) -> Any:
+    """At least `numerics.MIN_ROWS` rows: a state of fewer rows (a lone request) gets copies
+    of its last row marked done, which select and write nothing (batch invariance: no program
+    runs a batch of one row). Callers keep only their `rows` first outputs. Not with custom
+    processors (`research` with processors): they see exactly the caller's rows, since a
+    processor may couple rows (classifier-free guidance pairs them)."""
+    if rows >= numerics.MIN_ROWS or (research is not None and research.processors):
+        return state
+    index = np.minimum(np.arange(numerics.MIN_ROWS), rows - 1).astype(np.int32)
+    state = take_rows(state, jnp.asarray(index))
+    return state.replace(done=state.done | (jnp.arange(numerics.MIN_ROWS) >= rows))
+
+
+def shared_tables(fn: Callable) -> Callable:
+    """Jit `fn(state, *args, config=...)` with `state` donated -- except its grammar tables
+    (`state.grammar`), which other states and the table cache share read-only like the
+    params: they enter as a separate argument and come back attached, untouched. Arguments of
+    the state's type lose theirs too. `config` (optional) is the static configuration, one
+    frozen hashable object. `fn` returns a state or (state, output)."""
+    def inner(state, tables, *args, **static):
+        out = fn(state.replace(grammar=tables), *args, **static)
+        if isinstance(out, tuple):
+            return (out[0].replace(grammar=None),) + tuple(out[1:])
+        return out.replace(grammar=None)
+
+    jitted = jax.jit(inner, donate_argnums=(0,), static_argnames=("config",))
+
+    @functools.wraps(fn)
+    def call(state, *args, **static):
+        tables = state.grammar
+        args = [a.replace(grammar=None) if isinstance(a, type(state)) else a for a in args]
+        out = jitted(state.replace(grammar=None), tables, *args, **static)
+        if isinstance(out, tuple):
+            return (out[0].replace(grammar=tables),) + tuple(out[1:])
+        return out.replace(grammar=tables)
+
+    return call
