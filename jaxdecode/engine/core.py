@@ -70,10 +70,13 @@ class EngineCore:
     # -- the thread -----------------------------------------------------------------------------
 
     def ensure_thread(self) -> None:
-        if self._thread is None or not self._thread.is_alive():
-            self._thread = threading.Thread(target=self._run, name="jaxdecode-engine",
-                                            daemon=True)
-            self._thread.start()
+        """Start the engine thread unless it runs (under the queue's lock: two callers never
+        start two threads, and `is_alive` is true once `start` returns)."""
+        with self.scheduler.cond:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="jaxdecode-engine",
+                                                daemon=True)
+                self._thread.start()
 
     def join(self, timeout: float) -> None:
         if self._thread is not None:
