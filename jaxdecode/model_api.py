@@ -52,6 +52,96 @@ class KVCache:
     def batch(self) -> int:
         return self.k.shape[1]
 
+    def write(self, layer: int, k: Array, v: Array, positions: Array) -> "KVCache":
+        """Layer `layer` with this call's K/V ([B, T, kv_heads, head_dim]) written at
+        `positions` int32[B, T]; a position >= max_len (padding) is dropped."""
+        b, t, kvh, _ = k.shape
+        rows = jnp.arange(b)[:, None, None]
+        heads = jnp.arange(kvh)[None, None, :]
+        pos = positions[:, :, None]
+        return self.replace(
+            k=self.k.at[layer, rows, heads, pos].set(k.astype(self.k.dtype), mode="drop"),
+            v=self.v.at[layer, rows, heads, pos].set(v.astype(self.v.dtype), mode="drop"))
+
+    def read(self, layer: int, kv_len: int) -> tuple[Array, Array]:
+        """Keys and values [B, kv_heads, kv_len, head_dim] of positions [0, kv_len)."""
+        return self.k[layer, :, :, :kv_len], self.v[layer, :, :, :kv_len]
+
+
+@struct.dataclass
+class PagedKVCache:
+    """Keys and values in fixed-size pages of one shared pool, with a page table per row.
+
+    k, v:       [layers, kv_heads, num_pages, page_size, head_dim] -- kv heads first, so one
+                layer's slice is the [kv_heads, pages, page_size, head_dim] layout of the Pallas
+                GPU paged-attention kernel, and the pool shards by kv head on a "model" axis
+    page_table: int32[batch, pages_per_row] -- position p of row b lives in page
+                page_table[b, p // page_size] at offset p % page_size; entries past a row's
+                pages point at any valid page (page 0, never allocated): they are read only
+                past the row's length, where attention masks them
+    lengths:    int32[batch] -- one past the last written position of each row
+    max_len:    positions per row (static; at most pages_per_row * page_size)
+
+    Pages hold no row identity: several rows may map the same page (samples sharing a prompt,
+    a cached prompt prefix), and the host (the engine's scheduler) owns allocation. Reading
+    gathers a row's pages into a contiguous [kv_heads, kv_len, head_dim] view, so attention is
+    the same computation as over a `KVCache` of the same length.
+    """
+
+    k: Array
+    v: Array
+    page_table: Array
+    lengths: Array
+    max_len: int = struct.field(pytree_node=False, default=0)
+
+    @classmethod
+    def zeros(cls, num_layers: int, num_kv_heads: int, num_pages: int, page_size: int,
+              head_dim: int, batch: int, max_len: int,
+              dtype: Any = jnp.float32) -> "PagedKVCache":
+        shape = (num_layers, num_kv_heads, num_pages, page_size, head_dim)
+        return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+                   page_table=jnp.zeros((batch, -(-max_len // page_size)), jnp.int32),
+                   lengths=jnp.zeros((batch,), jnp.int32), max_len=max_len)
+
+    @property
+    def page_size(self) -> int:
+        return self.k.shape[3]
+
+    @property
+    def num_pages(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def batch(self) -> int:
+        return self.page_table.shape[0]
+
+    def write(self, layer: int, k: Array, v: Array, positions: Array) -> "PagedKVCache":
+        """Layer `layer` with this call's K/V ([B, T, kv_heads, head_dim]) written at
+        `positions` int32[B, T], through each row's page table; a position >= max_len
+        (padding) is dropped."""
+        ps, kvh = self.page_size, k.shape[2]
+        slot = jnp.take_along_axis(self.page_table,
+                                   jnp.minimum(positions // ps, self.page_table.shape[1] - 1),
+                                   axis=1)
+        page = jnp.where(positions < self.max_len, slot, self.num_pages)[:, :, None]
+        offset = (positions % ps)[:, :, None]
+        heads = jnp.arange(kvh)[None, None, :]
+        return self.replace(
+            k=self.k.at[layer, heads, page, offset].set(k.astype(self.k.dtype), mode="drop"),
+            v=self.v.at[layer, heads, page, offset].set(v.astype(self.v.dtype), mode="drop"))
+
+    def read(self, layer: int, kv_len: int) -> tuple[Array, Array]:
+        """Keys and values [B, kv_heads, kv_len, head_dim] of positions [0, kv_len): each
+        row's first pages gathered (kv_len a multiple of the page size)."""
+        pages = self.page_table[:, : -(-kv_len // self.page_size)]
+
+        def gather(pool):
+            x = jnp.take(pool[layer], pages, axis=1)            # [kvh, B, n, ps, hd]
+            x = x.transpose(1, 0, 2, 3, 4)
+            return x.reshape(x.shape[:2] + (-1, x.shape[-1]))[:, :, :kv_len]
+
+        return gather(self.k), gather(self.v)
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
@@ -151,6 +241,9 @@ def fixed_sum(x: Array, axis: int = -1, keepdims: bool = False) -> Array:
 CACHE_RULES: tuple = (
     (r"cache/(k|v)", (None, "data", "model", None, None)),  # [layers, batch, kv_heads, len, hd]
     (r"cache/lengths", ("data",)),                           # [batch]
+    # PagedKVCache: pages hold no row, so the pool shards by kv head only
+    (r"paged/(k|v)", (None, "model", None, None, None)),    # [layers, kv_heads, pages, ps, hd]
+    (r"paged/(page_table|lengths)", ("data",)),             # [batch, ...]
 )
 
 
@@ -180,13 +273,17 @@ def match_rules(rules: Sequence[tuple], path: str) -> Optional[tuple]:
     return None
 
 
-def cache_sharding(mesh: Any, cache: KVCache) -> KVCache:
-    """`NamedSharding`s for `cache` (arrays or shape structs) under `CACHE_RULES`."""
+def cache_sharding(mesh: Any, cache: Any) -> Any:
+    """`NamedSharding`s for a KVCache or PagedKVCache (arrays or shape structs) under
+    `CACHE_RULES`."""
+    prefix = "paged" if isinstance(cache, PagedKVCache) else "cache"
+
     def one(name, leaf):
-        spec = match_rules(CACHE_RULES, f"cache/{name}")
+        spec = match_rules(CACHE_RULES, f"{prefix}/{name}")
         return jax.sharding.NamedSharding(mesh, fit_spec(spec or (), leaf.shape, mesh))
-    return KVCache(k=one("k", cache.k), v=one("v", cache.v),
-                   lengths=one("lengths", cache.lengths))
+
+    fields = ("k", "v", "page_table", "lengths") if prefix == "paged" else ("k", "v", "lengths")
+    return cache.replace(**{name: one(name, getattr(cache, name)) for name in fields})
 
 
 def params_dtype(params: Any):

@@ -54,12 +54,14 @@ class DecodingError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Usage:
-    """Token counts of SPEC §9: selected, written into the cache, whose text was returned."""
+    """Token counts of SPEC §9: selected, written into the cache, whose text was returned;
+    `cached_tokens`: prompt tokens served from the prefix cache instead of being prefilled."""
 
     prompt_tokens: int = 0
     selected_tokens: int = 0
     processed_tokens: int = 0
     returned_tokens: int = 0
+    cached_tokens: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -88,7 +88,7 @@ class GPT2(L.CachedDecoder):
 
     # -- internals ----------------------------------------------------------------------------
 
-    def _run(self, params: dict, tokens: Array, positions: Array, kv_source, tile,
+    def _run(self, params: dict, tokens: Array, positions: Array, attend, tile,
              hook=None) -> Array:
         c = self.config
         b, t = tokens.shape
@@ -104,12 +104,10 @@ class GPT2(L.CachedDecoder):
                                                                                c.head_dim)
                        for name, heads in (("q", c.num_heads), ("k", c.num_kv_heads),
                                            ("v", c.num_kv_heads)))
-            keys, values, k_pos = kv_source(i, k, v)
             scale = 1.0 / math.sqrt(c.head_dim) if c.scale_attn_weights else 1.0
             if c.scale_attn_by_inverse_layer_idx:
                 scale /= float(i + 1)
-            attn = L.attention(q, keys.astype(q.dtype), values.astype(q.dtype), positions, k_pos,
-                               None, scale)
+            attn = attend(i, q, k, v, None, scale)
             x = x + L.dense(attn.reshape(b, t, -1), p["o"], tile) + p["o_bias"]
             h = L.layer_norm(x, p["mlp_norm"], p["mlp_norm_bias"], eps)
             x = x + L.dense(act(L.dense(h, p["fc"], tile) + p["fc_bias"]), p["proj"],

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdecode.model_api import KVCache, fixed_sum
+from models import paged_attention
 
 Array = jax.Array
 
@@ -125,17 +126,6 @@ def write_positions(positions: Array, lengths: Array, max_len: int) -> Array:
     return jnp.where(real, positions, max_len)
 
 
-def write_kv(cache: KVCache, layer: int, k: Array, v: Array, write_pos: Array) -> KVCache:
-    """Scatter this call's K/V ([B, T, kv_heads, head_dim]) into layer `layer` of the cache."""
-    b, t, kvh, _ = k.shape
-    rows = jnp.arange(b)[:, None, None]
-    heads = jnp.arange(kvh)[None, None, :]
-    pos = write_pos[:, :, None]
-    new_k = cache.k.at[layer, rows, heads, pos].set(k.astype(cache.k.dtype), mode="drop")
-    new_v = cache.v.at[layer, rows, heads, pos].set(v.astype(cache.v.dtype), mode="drop")
-    return cache.replace(k=new_k, v=new_v)
-
-
 def heads_major(x: Array) -> Array:
     """[B, T, heads, head_dim] -> [B, heads, T, head_dim], the cache layout."""
     return x.transpose(0, 2, 1, 3)
@@ -201,10 +191,13 @@ def attention(q: Array, k: Array, v: Array, q_pos: Array, k_pos: Array,
 
 class CachedDecoder:
     """The `DecoderModel` protocol methods every family shares. A family is a frozen dataclass
-    with a `config` and `_run(params, tokens, positions, kv_source, tile, hook) -> logits`,
-    where `kv_source(layer, k, v)` returns the keys, values and key positions that layer attends
-    to, `tile` is `dense`'s row tile (ROW_TILE in the cached forward, None in `logits`) and
-    `hook` is None or called as `x = hook(name, x)` at each of `model_api.hook_points`."""
+    with a `config` and `_run(params, tokens, positions, attend, tile, hook) -> logits`, where
+    `attend(layer, q, k, v, window=None, scale=None)` takes this call's queries [B, T, H, D]
+    and keys / values [B, T, KVH, D] (RoPE applied) and returns the attention output
+    [B, T, H, D] -- in the cached forward after writing k, v into the cache (a `KVCache` or a
+    `PagedKVCache`: `model_api`'s `write` / `read`), over the cached keys; `tile` is `dense`'s
+    row tile (ROW_TILE in the cached forward, None in `logits`) and `hook` is None or called as
+    `x = hook(name, x)` at each of `model_api.hook_points`."""
 
     batch_invariant = True  # the cached forward: docs/batch_invariance.md
 
@@ -212,24 +205,31 @@ class CachedDecoder:
         c = self.config
         return KVCache.zeros(c.num_layers, batch, max_len, c.num_kv_heads, c.head_dim, dtype)
 
-    def forward(self, params: dict, tokens: Array, positions: Array, cache: KVCache, *,
+    def forward(self, params: dict, tokens: Array, positions: Array, cache: Any, *,
                 lengths: Array, kv_len: Optional[int] = None,
-                hook: Optional[Any] = None) -> tuple[Array, KVCache]:
+                hook: Optional[Any] = None) -> tuple[Array, Any]:
         """The protocol's forward: each layer's K/V is written at its absolute positions
         (padding dropped); `kv_len` (static, optional) limits attention to the first kv_len
         cache positions when the caller knows every row is shorter; `hook(name, x) -> x` is
-        called at each of `model_api.hook_points` (jaxdecode/device/hooks.py)."""
+        called at each of `model_api.hook_points` (jaxdecode/device/hooks.py). On a GPU or
+        TPU a decode step over a `PagedKVCache` runs the Pallas paged-attention kernel
+        (models/paged_attention.py); everywhere else attention reads the gathered pages."""
         write_pos = write_positions(positions, lengths, cache.max_len)
         kv_len = cache.max_len if kv_len is None else min(kv_len, cache.max_len)
         k_pos = jnp.arange(kv_len, dtype=jnp.int32)
         new_lengths = updated_lengths(cache, positions, lengths)
+        kernel = paged_attention.kernel_for(cache, tokens.shape[1])
 
-        def kv_source(i, k, v):
+        def attend(i, q, k, v, window=None, scale=None):
             nonlocal cache
-            cache = write_kv(cache, i, k, v, write_pos)
-            return cache.k[i, :, :, :kv_len], cache.v[i, :, :, :kv_len], k_pos
+            cache = cache.write(i, k, v, write_pos)
+            if kernel is not None and window is None:
+                return kernel(q, cache, i, positions[:, 0] + 1, kv_len, scale)
+            keys, values = cache.read(i, kv_len)
+            return attention(q, keys.astype(q.dtype), values.astype(q.dtype), positions, k_pos,
+                             window, scale)
 
-        logits = self._run(params, tokens, positions, kv_source, ROW_TILE, hook)
+        logits = self._run(params, tokens, positions, attend, ROW_TILE, hook)
         return logits, cache.replace(lengths=new_lengths)
 
     def logits(self, params: dict, tokens: Array, positions: Optional[Array] = None,
@@ -239,6 +239,9 @@ class CachedDecoder:
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32),
                                          tokens.shape)
-        return self._run(params, tokens, positions,
-                         lambda i, k, v: (heads_major(k), heads_major(v), positions), None,
-                         hook)
+
+        def attend(i, q, k, v, window=None, scale=None):
+            return attention(q, heads_major(k), heads_major(v), positions, positions, window,
+                             scale)
+
+        return self._run(params, tokens, positions, attend, None, hook)

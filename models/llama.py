@@ -77,7 +77,7 @@ class Llama(L.CachedDecoder):
 
     # -- internals ----------------------------------------------------------------------------
 
-    def _run(self, params: dict, tokens: Array, positions: Array, kv_source, tile,
+    def _run(self, params: dict, tokens: Array, positions: Array, attend, tile,
              hook=None) -> Array:
         c = self.config
         b, t = tokens.shape
@@ -93,9 +93,7 @@ class Llama(L.CachedDecoder):
             q = L.apply_rope(q.reshape(b, t, c.num_heads, c.head_dim), positions, inv_freq)
             k = L.apply_rope(k.reshape(b, t, c.num_kv_heads, c.head_dim), positions, inv_freq)
             v = v.reshape(b, t, c.num_kv_heads, c.head_dim)
-            keys, values, k_pos = kv_source(i, k, v)
-            attn = L.attention(q, keys.astype(q.dtype), values.astype(q.dtype), positions, k_pos,
-                               c.sliding_window)
+            attn = attend(i, q, k, v, c.sliding_window)
             x = x + L.dense(attn.reshape(b, t, -1), p["o"], tile)
             h = L.rms_norm(x, p["mlp_norm"], c.rms_norm_eps)
             mlp = jax.nn.silu(L.dense(h, p["gate"], tile)) * L.dense(h, p["up"], tile)

@@ -136,7 +136,7 @@ def main(args: Any) -> int:
         log_event("follower.start", process=jax.process_index(), devices=jax.device_count())
         applied = dist.run_follower(model, params, hook, max_slots=llm.max_slots,
                                     max_len=llm.max_len, eos_token_ids=llm.eos_token_ids,
-                                    mesh=mesh)
+                                    mesh=mesh, pages=llm.kv.pages, page_size=llm.kv.page_size)
         log_event("follower.stop", process=jax.process_index(), ops=applied)
         return 0
     name = args.model_name or (args.model if args.model == "demo"

@@ -23,7 +23,8 @@ import jaxdecode as jd
 import models
 from jaxdecode.device import decode
 from jaxdecode.device import cache_ops
-from jaxdecode.engine import scheduler, step_ops
+from jaxdecode import shapes
+from jaxdecode.engine import step_ops
 from jaxdecode.device.state import RowParams
 
 FAMILIES = ["llama", "llama3", "mistral", "qwen2", "gpt2", "demo"]
@@ -130,30 +131,35 @@ def test_invariance_device_loop_tokens_and_logprobs_at_every_batch_size(family, 
 # -- the engine's device path (step_ops: what jd.LLM runs) at several max_slots ----------------
 
 def _engine_logits(model, params, max_slots, max_len, probe, neighbours, slot):
-    """Admit `probe` into `slot` with `neighbours` in the other slots (as the engine admits a
-    batch: one ADMIT op), then STEPS decode steps with the engine's attention bucket rule.
-    Returns the probe row's logits after the prefill and after each step."""
+    """Admit `probe` into `slot` with `neighbours` in the other slots (as the engine admits
+    them: each prompt's chunks into its own pages, CHUNK ops), then STEPS decode steps with the
+    engine's attention bucket rule. Returns the probe row's logits after the prefill and after
+    each step."""
     eos = model.config.eos_token_ids
     ctx = step_ops.Context(model, params, max_slots, max_len, eos)
-    state, _ = step_ops.apply(ctx, None, step_ops.init(max_slots, max_len, eos))
+    state, _ = step_ops.apply(ctx, None, step_ops.init(max_slots, max_len, eos, ctx.num_pages,
+                                                       ctx.page_size))
     prompts = [probe] + neighbours[:max_slots - 1]
     targets = [slot] + [s for s in range(max_slots) if s != slot][:len(prompts) - 1]
-    width = decode.bucket(max(map(len, prompts)), max_len)
-    tokens = np.zeros((len(prompts), width), np.int32)
-    for i, p in enumerate(prompts):
-        tokens[i, :len(p)] = p
-    lengths = np.array([len(p) for p in prompts], np.int32)
     sps = [PROBE_SP] + [jd.SamplingParams(temperature=0.7, seed=i, max_tokens=8)
                         for i in range(len(prompts) - 1)]
-    keys = np.stack([np.asarray(jax.random.key_data(jax.random.key(s.seed)), np.uint32)
-                     for s in sps])
-    rows = RowParams.build(sps, model.config.vocab_size, eos, keys=keys)
-    op = step_ops.admit(tokens, lengths, np.array(targets, np.int32), rows)
-    state, _ = step_ops.apply(ctx, state, op)
+    for i, (p, target, sp) in enumerate(zip(prompts, targets, sps)):
+        key = np.asarray(jax.random.key_data(jax.random.key(sp.seed)), np.uint32)[None]
+        rows = RowParams.build([sp], model.config.vocab_size, eos, keys=key)
+        table = (1 + i * ctx.pages_per_row + np.arange(ctx.pages_per_row)).astype(np.int32)
+        prompt = np.zeros((decode.bucket(len(p), max_len),), np.int32)
+        prompt[:len(p)] = p
+        for start, t, length, kv in shapes.chunk_plan(len(p), 0, max_len, max_len):
+            tokens = np.zeros((1, t), np.int32)
+            tokens[0, :length] = p[start:start + length]
+            final = (step_ops.NewRows(prompt, len(p), np.array([target], np.int32),
+                                      table[None], rows) if start + length == len(p) else None)
+            state, _ = step_ops.apply(ctx, state, step_ops.chunk(tokens, start, length, table,
+                                                                 kv, final))
     seen = [np.asarray(state.logits[slot])]
     for t in range(STEPS):
         longest = max(len(p) for p in prompts) + t + 1
-        kv_len = scheduler.kv_bucket(longest, max_len)
+        kv_len = shapes.kv_bucket(longest, max_len)
         state, _ = step_ops.apply(ctx, state, step_ops.step(kv_len))
         seen.append(np.asarray(state.logits[slot]))
     return seen

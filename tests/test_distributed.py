@@ -39,12 +39,16 @@ def _ops():
                            vocab_size=16)
     saved = {"k": np.ones((1, 1, 3, 2), np.float32), "length": np.array(3, np.int32),
              "rows.keys": np.array([9, 9], np.uint32), "grammar_local": np.array(2, np.int32)}
-    return [step_ops.init(4, 64, (2, 5)),
-            step_ops.admit(np.arange(32, dtype=np.int32).reshape(2, 16),
-                           np.array([3, 16], np.int32), np.array([0, 4], np.int32), rows),
-            step_ops.admit(np.zeros((1, 16), np.int32), np.ones(1, np.int32),
-                           np.array([1], np.int32), rows, np.array([7], np.int32)),
-            step_ops.restore(saved, 2, grammar_state=5),
+    final = step_ops.NewRows(np.arange(16, dtype=np.int32), 3, np.array([0, 3], np.int32),
+                             np.array([[1, 2, 0, 0], [1, 5, 0, 0]], np.int32), rows,
+                             copies=(np.array([2], np.int32), np.array([5], np.int32)))
+    return [step_ops.init(4, 64, (2, 5), 17, 16),
+            step_ops.chunk(np.arange(16, dtype=np.int32)[None], 0, 3,
+                           np.array([1, 2, 0, 0], np.int32), 256, final),
+            step_ops.chunk(np.zeros((1, 16), np.int32), 16, 1, np.array([3, 4, 0, 0], np.int32),
+                           256),
+            step_ops.restore(saved, 2, np.array([6], np.int32),
+                             np.array([6, 7, 0, 0], np.int32), grammar_state=5),
             step_ops.grammar(np.array([True, False]), np.array([3, 0], np.int32), tables),
             step_ops.grammar(np.array([True, True]), np.array([0, 0], np.int32), None),
             step_ops.flags(np.array([True, False]), np.array([False, True])),
@@ -61,8 +65,9 @@ def test_step_ops_round_trip_exactly():
         back = step_ops.from_bytes(step_ops.to_bytes(op))
         assert back.equals(op), op.name
         assert all(back.arrays[k].dtype == v.dtype for k, v in op.arrays.items())
-    admit = ops[1]
-    assert admit.arrays["rows.bias"][0, 3] == np.float32(-1.5)
+    first = ops[1]
+    assert first.arrays["rows.bias"][0, 3] == np.float32(-1.5)
+    assert first.arrays["copy_dst"].tolist() == [5] and "slots" not in ops[2].arrays
     assert "grammar_local" not in ops[3].arrays and ops[3].scalar("grammar_state") == 5
     assert not ops[1].equals(ops[2]) and not ops[7].equals(step_ops.step(512, 0))
     assert ops[-1].arrays["tokens"].tolist() == [[5, 6, 7], [9, 0, 0]]
@@ -83,7 +88,9 @@ def test_step_ops_errors_name_the_field():
         step_ops.from_bytes(buf.getvalue())
     ctx = step_ops.Context(None, None, max_slots=4, max_len=64, eos_token_ids=(2,))
     with pytest.raises(ValueError, match="max_len: the leader uses 128"):
-        step_ops.apply(ctx, None, step_ops.init(4, 128, (2,)))
+        step_ops.apply(ctx, None, step_ops.init(4, 128, (2,), ctx.num_pages, ctx.page_size))
+    with pytest.raises(ValueError, match="num_pages: the leader uses 9"):
+        step_ops.apply(ctx, None, step_ops.init(4, 64, (2,), 9, ctx.page_size))
     with pytest.raises(ValueError, match="stop is not applied"):
         step_ops.apply(ctx, None, step_ops.stop())
 

@@ -18,20 +18,24 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdecode.device import numerics
-from jaxdecode.model_api import KVCache
+from jaxdecode.model_api import KVCache, PagedKVCache
 
 Array = jax.Array
 
 
 def _is_cache(x: Any) -> bool:
-    return isinstance(x, KVCache)
+    return isinstance(x, (KVCache, PagedKVCache))
 
 
 def rows_map(fn: Callable[..., Array], *trees: Any) -> Any:
     """`fn(*leaves, axis=row axis)` over the per-row leaves of same-structured states: a
-    KVCache's k and v at axis 1 and its lengths at axis 0, every other array at axis 0. The
-    first tree's grammar tables are kept as they are."""
+    KVCache's k and v at axis 1 and its lengths at axis 0; a PagedKVCache's page table and
+    lengths at axis 0 (its page pool belongs to no row: the first tree's is kept); every other
+    array at axis 0. The first tree's grammar tables are kept as they are."""
     def leaf(*xs):
+        if isinstance(xs[0], PagedKVCache):
+            return xs[0].replace(page_table=fn(*(c.page_table for c in xs), axis=0),
+                                 lengths=fn(*(c.lengths for c in xs), axis=0))
         if _is_cache(xs[0]):
             return xs[0].replace(k=fn(*(c.k for c in xs), axis=1),
                                  v=fn(*(c.v for c in xs), axis=1),
@@ -66,15 +70,29 @@ def stack_rows(states: Sequence[Any]) -> Any:
 
 def pick_branch(tree: Any, chosen: Array, axis: Optional[int] = None) -> Any:
     """x[chosen[r]] for every row r of a tree whose leaves carry a leading branch axis before
-    their own layout (a KVCache's rows then sit on axis 2 of k and v). `axis`: the rows' axis
-    of every leaf (after the branch axis) when it is not the layout's (a tree of no cache)."""
+    their own layout (a KVCache's rows then sit on axis 2 of k and v; a PagedKVCache's pages
+    take the branch of the row whose table holds them). `axis`: the rows' axis of every leaf
+    (after the branch axis) when it is not the layout's (a tree of no cache)."""
     def pick(x, axis):
         x = jnp.moveaxis(x, axis + 1, 1)
         return jnp.moveaxis(x[chosen, jnp.arange(x.shape[1])], 0, axis)
 
+    def leaf(x):
+        if isinstance(x, PagedKVCache):
+            table = pick(x.page_table, 0)
+            owner = jnp.zeros((x.k.shape[3],), jnp.int32).at[table].set(
+                jnp.broadcast_to(chosen[:, None], table.shape))     # page -> its row's branch
+            take = lambda pool: jnp.take_along_axis(  # noqa: E731
+                pool, owner.reshape(1, 1, 1, -1, 1, 1), axis=0)[0]
+            return x.replace(k=take(x.k), v=take(x.v), page_table=table,
+                             lengths=pick(x.lengths, 0))
+        if isinstance(x, KVCache):
+            return rows_map(pick, x)
+        return pick(x, 0)
+
     if axis is not None:
         return jax.tree.map(lambda x: pick(x, axis), tree)
-    return rows_map(pick, tree)
+    return jax.tree.map(leaf, tree, is_leaf=_is_cache)
 
 
 def pad_rows(state: Any, rows: int, research: Any = None) -> Any:

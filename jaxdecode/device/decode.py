@@ -37,16 +37,10 @@ from jaxdecode.device.outputs import GenerateOutput
 from jaxdecode.device.state import RUNNING, RowParams, StepOutput, StepState, seed_key_data
 from jaxdecode.model_api import DecoderModel, params_dtype
 from jaxdecode.prompts import token_rows
+from jaxdecode.shapes import MIN_BUCKET, bucket  # noqa: F401 (decode.bucket is public)
 
 Array = jax.Array
 
-MIN_BUCKET = 16
-
-
-def bucket(n: int, cap: Optional[int] = None) -> int:
-    """The static size used for a dynamic length n: the next power of two >= 16, capped."""
-    size = max(MIN_BUCKET, 1 << max(0, int(n) - 1).bit_length())
-    return min(size, cap) if cap is not None else size
 
 
 def cache_len(longest_prompt: int, max_new: int, max_len: int) -> int:

@@ -1,11 +1,12 @@
 """Device-side slot operations of the engine: a batch of rows in one state (a `StepState`, or
-a speculative `SpecState`), whatever backend runs it.
+a speculative `SpecState`) over one pool of KV pages (`model_api.PagedKVCache`), whatever
+backend runs it.
 
-Admitted requests are prefilled one by one, each at its own prompt bucket (batch invariance),
-and scattered into free rows (`insert`); ending a request marks its row done and
-back-pressure pauses rows (`set_flags`). Row indices and masks are arrays, so admitting a
-request never recompiles. The empty states are built here too: every row done, so a step over
-them selects and writes nothing.
+The empty state has every row done, so a step over it selects and writes nothing; its pool
+holds `num_pages` pages (page 0 is the null page unused table entries point at). Prompts are
+written into pages by chunked prefills and their rows set up (chunks.py); `insert` scatters new
+rows into free slots and `set_flags` marks released rows done and paused rows paused. Row
+indices, page tables and masks are arrays, so admitting a request never recompiles.
 """
 
 from __future__ import annotations
@@ -20,26 +21,35 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxdecode.config import SamplingParams
-from jaxdecode.device import cache_ops, decode
+from jaxdecode.device import cache_ops
 from jaxdecode.device import research as research_lib
 from jaxdecode.device.speculative.state import SpecState
 from jaxdecode.device.state import RowParams, StepState
-from jaxdecode.model_api import DecoderModel, cache_sharding, fit_spec
+from jaxdecode.model_api import DecoderModel, PagedKVCache, cache_sharding, fit_spec
 
 Array = jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
 class SlotConfig:
-    """Static part of an empty slot state: the model (and the draft, for a speculative state),
-    the caches' dtypes, the cache length, the engine's custom processors."""
+    """Static part of the engine's slot state: the model (and, for a speculative state, the
+    draft), the pools' dtypes, the positions per row, the pool (pages including the null page,
+    page size), the engine's custom processors."""
 
     model: DecoderModel
     dtype: Any
     max_len: int
+    num_pages: int
+    page_size: int
     research: Optional[research_lib.ResearchConfig] = None
+    speculative: bool = False
     draft: Optional[DecoderModel] = None
     draft_dtype: Any = None
+
+    def pool(self, model: DecoderModel, rows: int, dtype: Any) -> PagedKVCache:
+        c = model.config
+        return PagedKVCache.zeros(c.num_layers, c.num_kv_heads, self.num_pages, self.page_size,
+                                  c.head_dim, rows, self.max_len, dtype)
 
 
 def empty_rows(rows: int, vocab_size: int, eos_token_ids: Sequence[int]) -> RowParams:
@@ -55,7 +65,7 @@ def _plain(config: SlotConfig, rows: RowParams, research_args: Any = None) -> St
         extra["research"] = research_lib.initial_state(config.research, research_args, empty,
                                                        empty[:, 0], config.max_len, {})
     b, vocab = rows.bias.shape
-    return StepState(cache=config.model.init_cache(b, config.max_len, config.dtype),
+    return StepState(cache=config.pool(config.model, b, config.dtype),
                      logits=jnp.zeros((b, vocab), jnp.float32),
                      last_token=jnp.full((b,), -1, jnp.int32), step=jnp.zeros((b,), jnp.int32),
                      counts=jnp.zeros((b, vocab), jnp.int32), seen=jnp.zeros((b, vocab), bool),
@@ -66,7 +76,7 @@ def _plain(config: SlotConfig, rows: RowParams, research_args: Any = None) -> St
 def _speculative(config: SlotConfig, rows: RowParams, research_args: Any = None) -> SpecState:
     b, vocab = rows.bias.shape
     zeros = jnp.zeros((b,), jnp.int32)
-    state = SpecState(rows=rows, tcache=config.model.init_cache(b, config.max_len, config.dtype),
+    state = SpecState(rows=rows, tcache=config.pool(config.model, b, config.dtype),
                       hist=jnp.zeros((b, config.max_len), jnp.int32),
                       lpbuf=jnp.zeros((b, config.max_len), jnp.float32),
                       length=jnp.ones((b,), jnp.int32), step=zeros,
@@ -75,29 +85,28 @@ def _speculative(config: SlotConfig, rows: RowParams, research_args: Any = None)
                       paused=jnp.zeros((b,), bool), finish=zeros, proposed=zeros,
                       accepted=zeros, target_tokens=zeros, iterations=zeros)
     if config.draft is not None:
-        state = state.replace(dcache=config.draft.init_cache(b, config.max_len,
-                                                             config.draft_dtype),
+        state = state.replace(dcache=config.pool(config.draft, b, config.draft_dtype),
                               lag=jnp.zeros((b,), bool))
     return state
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _empty(config: SlotConfig, speculative: bool, rows: RowParams, research_args: Any = None):
-    return (_speculative if speculative else _plain)(config, rows, research_args)
+@functools.partial(jax.jit, static_argnums=(0,))
+def _empty(config: SlotConfig, rows: RowParams, research_args: Any = None):
+    return (_speculative if config.speculative else _plain)(config, rows, research_args)
 
 
-def empty_state(config: SlotConfig, rows: RowParams, *, speculative: bool = False,
-                mesh: Optional[Any] = None, research_args: Any = None) -> Any:
+def empty_state(config: SlotConfig, rows: RowParams, *, mesh: Optional[Any] = None,
+                research_args: Any = None) -> Any:
     """Every row done (a step over it selects and writes nothing): a StepState, or a SpecState
-    with `speculative`. With a `jax.sharding.Mesh`, the state is created already placed by
-    `state_sharding` (the jitted steps then keep it partitioned: GSPMD follows the shardings of
-    their inputs). Custom processors (`config.research`) add their per-row carry, empty."""
+    when `config.speculative`. With a `jax.sharding.Mesh`, the state is created already placed
+    by `state_sharding` (the jitted steps then keep it partitioned: GSPMD follows the
+    shardings of their inputs). Custom processors (`config.research`) add their per-row
+    carry, empty."""
     if mesh is None:
-        return _empty(config, speculative, rows, research_args)
-    shardings = state_sharding(mesh, jax.eval_shape(_empty, config, speculative, rows,
-                                                    research_args))
-    build = jax.jit(_empty, static_argnums=(0, 1), out_shardings=shardings)
-    return build(config, speculative, rows, research_args)
+        return _empty(config, rows, research_args)
+    shardings = state_sharding(mesh, jax.eval_shape(_empty, config, rows, research_args))
+    build = jax.jit(_empty, static_argnums=(0,), out_shardings=shardings)
+    return build(config, rows, research_args)
 
 
 def state_sharding(mesh: Any, state: StepState) -> StepState:
@@ -126,28 +135,3 @@ def insert(state: Any, rows: Any, slots: Array) -> Any:
 def set_flags(state: Any, release: Array, paused: Array) -> Any:
     """Mark released rows done and set the paused mask (bool[rows] each)."""
     return state.replace(done=state.done | release, paused=paused)
-
-
-@functools.partial(jax.jit, static_argnums=(0,))
-def prefill_speculative(config: Any, tparams: Any, dparams: Any, tokens: Array, lengths: Array,
-                        rows: RowParams) -> SpecState:
-    """Freshly prefilled speculative rows (tokens int32[n, T] right-padded, T <= max_len;
-    `config` a SlotConfig): caches hold the prompt but its last token (pending), the history
-    holds the prompt. Only the draft's cache is kept: the round recomputes its logits."""
-    n, t = tokens.shape
-    st = decode.prefill(decode.PrefillConfig(config.model, config.max_len), tparams, tokens,
-                        lengths, rows)
-    zeros = jnp.zeros((n,), jnp.int32)
-    state = SpecState(rows=rows, tcache=st.cache.replace(lengths=st.cache.lengths - 1),
-                      hist=jnp.zeros((n, config.max_len), jnp.int32).at[:, :t].set(tokens),
-                      lpbuf=jnp.zeros((n, config.max_len), jnp.float32), length=lengths,
-                      step=zeros, counts=st.counts, seen=st.seen, done=jnp.zeros((n,), bool),
-                      paused=jnp.zeros((n,), bool), finish=zeros, proposed=zeros,
-                      accepted=zeros, target_tokens=zeros, iterations=zeros)
-    if config.draft is not None:
-        dcache = decode.prefill(decode.PrefillConfig(config.draft, config.max_len), dparams,
-                                tokens, lengths, rows).cache
-        state = state.replace(dcache=dcache.replace(lengths=dcache.lengths - 1),
-                              lag=jnp.zeros((n,), bool))
-    return state
-

@@ -103,6 +103,39 @@ def check_sizes(max_slots: int, max_len: int, max_queue: int, model_max_len: int
     _integer("max_queue", max_queue)
 
 
+@dataclasses.dataclass(frozen=True)
+class KVLayout:
+    """The KV cache in pages: `pages` allocatable pages of `page_size` positions, prefill in
+    chunks of `chunk` tokens (max_len: no chunking), the prefix cache on or off."""
+
+    pages: int
+    page_size: int
+    chunk: int
+    prefix_cache: bool
+
+    @classmethod
+    def check(cls, max_slots: int, max_len: int, kv_pages: Optional[int], page_size: int,
+              prefill_chunk: Optional[int], prefix_cache: bool) -> "KVLayout":
+        """The layout of these settings (ValueError naming the setting): the page size must
+        divide the chunk; the budget must hold one request of max_len positions (default:
+        max_slots of them, the memory of contiguous slots)."""
+        _integer("page_size", page_size, 1, max_len)
+        per_request = -(-max_len // page_size)
+        chunk = max_len if prefill_chunk is None else prefill_chunk
+        _integer("prefill_chunk", chunk)
+        if chunk % page_size:
+            raise ValueError(f"prefill_chunk: {chunk} is not a multiple of page_size "
+                             f"{page_size} (chunks must end on page boundaries)")
+        pages = max_slots * per_request if kv_pages is None else kv_pages
+        _integer("kv_pages", pages)
+        if pages < per_request:
+            raise ValueError(f"kv_pages: {pages} pages of {page_size} positions hold less than "
+                             f"one request of max_len {max_len} ({per_request} pages)")
+        if not isinstance(prefix_cache, bool):
+            raise ValueError(f"prefix_cache: must be True or False, got {prefix_cache!r}")
+        return cls(pages, page_size, chunk, prefix_cache)
+
+
 def check_options(spec: Any, research: Any, mesh: Any, step_hook: Any) -> None:
     """The engine options that do not go together (ValueError naming one of them)."""
     if spec is not None and mesh is not None:

@@ -5,18 +5,23 @@ never branches on the kind: every step returns up to K tokens per row (`StepResu
 decoding being K = 1 and speculative decoding K = k + 1, and the output processor feeds them
 through one per-token path.
 
-    empty_state()                  every row done: a step over it selects and writes nothing
-    prefill(tokens, lengths, rows) one prompt alone at its own bucket -> a one-row state
-    insert(state, rows, slots)     scatter prefilled rows into slots
+    empty_state()                  every row done, an empty page pool
+    chunk(state, tokens, start, length, table, kv_len)
+                                   one prefill chunk of one row into its pages -> logits
+    new_rows(logits, prompt, length, rows, tables, ...)
+                                   the rows that start decoding after a prompt
+    insert(state, rows, slots)     scatter new rows into slots
+    copy_pages(state, src, dst)    copy on write of a shared partial page
     set_flags(state, release, paused)
     step(state, kv_len, top_k)     one step over every row -> (state, device output)
     fetch(out, top_k)              the one host transfer of a step -> StepResult
     kv_needed(request)             the attention positions the next step needs for a request
-    warmup(state, prompt buckets, kv buckets, top-ks)
+    warmup(state, chunks, prompt widths, kv buckets, top-ks)
     observe(request, result, slot) per-row bookkeeping once a step is processed
 
-Both backends are pure device code over `jaxdecode.device`; they hold no request state except
-the speculative acceptance counters.
+Both backends are pure device code over `jaxdecode.device` (the KV cache in pages:
+`model_api.PagedKVCache`); they hold no request state except the speculative acceptance
+counters. Page allocation is the host's (engine/pages.py).
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxdecode.device import decode, slots
+from jaxdecode.device import chunks, decode, slots
 from jaxdecode.device.cache_ops import shared_tables
 from jaxdecode.device.speculative import RoundConfig, spec_round
 from jaxdecode.device.state import RowParams
@@ -55,40 +60,87 @@ class StepResult:
 
 
 class SlotBackend(Protocol):
+    tokens_per_step: int
+
     def empty_state(self) -> Any: ...
-    def prefill(self, tokens: np.ndarray, lengths: np.ndarray, rows: RowParams) -> Any: ...
+    def chunk(self, state: Any, tokens: np.ndarray, start: int, length: int, table: np.ndarray,
+              kv_len: int) -> tuple[Any, Any]: ...
+    def new_rows(self, logits: Any, prompt: np.ndarray, length: int, rows: RowParams,
+             tables: np.ndarray, grammar_state: Optional[np.ndarray] = None,
+             resume: Optional[dict] = None) -> Any: ...
     def insert(self, state: Any, rows: Any, targets: np.ndarray) -> Any: ...
+    def copy_pages(self, state: Any, src: np.ndarray, dst: np.ndarray) -> Any: ...
     def set_flags(self, state: Any, release: np.ndarray, paused: np.ndarray) -> Any: ...
     def step(self, state: Any, kv_len: int, top_k: int) -> tuple[Any, Any]: ...
     def fetch(self, out: Any, top_k: int) -> StepResult: ...
     def kv_needed(self, r: Any) -> int: ...
-    def warmup(self, state: Any, prompt_buckets: Sequence[int], kv_buckets: Sequence[int],
-               top_ks: Sequence[int]) -> Any: ...
+    def warmup(self, state: Any, chunk_shapes: Sequence[tuple], prompt_widths: Sequence[int],
+               kv_buckets: Sequence[int], top_ks: Sequence[int]) -> Any: ...
     def observe(self, r: Any, result: StepResult, slot: int) -> None: ...
 
 
+@dataclasses.dataclass(frozen=True)
+class Pages:
+    """The page pool's shape: pages (including the null page 0) and positions per page."""
+
+    num_pages: int
+    page_size: int
+
+
 class _Rows:
-    """What both backends share: the model, the slot count, the empty state, insert, flags.
+    """What both backends share: the model, the slot count, the page pool, the empty state,
+    chunked prefill, new rows, insert, copies and flags.
 
     replicate_outputs: gather each step's output onto every device of `mesh`, so the leader
     can read it when the state is spread over other hosts' devices (a collective: the leader
     and its followers agree, step_ops.Context)."""
 
+    speculative = False
+    tokens_per_step = 1
+
     def __init__(self, model: DecoderModel, params: Any, rows: int, max_len: int,
-                 eos_token_ids: Sequence[int], research: Optional[Any] = None,
-                 mesh: Optional[Any] = None, replicate_outputs: bool = False):
+                 eos_token_ids: Sequence[int], pages: Pages, research: Optional[Any] = None,
+                 mesh: Optional[Any] = None, replicate_outputs: bool = False,
+                 draft: Optional[DecoderModel] = None, draft_params: Any = None):
         self.model, self.params, self.rows, self.max_len = model, params, rows, max_len
         self.eos_token_ids, self.research, self.mesh = tuple(eos_token_ids), research, mesh
+        self.pages, self.draft, self.draft_params = pages, draft, draft_params
         self.replicate_outputs = replicate_outputs and mesh is not None
+        self.slot_config = slots.SlotConfig(
+            model, params_dtype(params), max_len, pages.num_pages, pages.page_size,
+            None if research is None else research.config, self.speculative, draft,
+            None if draft is None else params_dtype(draft_params))
+
+    def _research(self) -> dict:
+        return {} if self.research is None else {"research_args": self.research.args}
 
     def _output(self, out: Any) -> Any:
         return _replicator(self.mesh)(out) if self.replicate_outputs else out
 
-    def _empty_rows(self) -> RowParams:
-        return slots.empty_rows(self.rows, self.model.config.vocab_size, self.eos_token_ids)
+    def empty_state(self) -> Any:
+        rows = slots.empty_rows(self.rows, self.model.config.vocab_size, self.eos_token_ids)
+        return slots.empty_state(self.slot_config, rows, mesh=self.mesh, **self._research())
+
+    def chunk(self, state: Any, tokens: np.ndarray, start: int, length: int, table: np.ndarray,
+              kv_len: int) -> tuple[Any, Any]:
+        config = chunks.ChunkConfig(self.model, kv_len, self.draft)
+        i32 = lambda x: np.array([x], np.int32)  # noqa: E731
+        return chunks.prefill_chunk(state, self.params, self.draft_params, tokens, i32(start),
+                                    i32(length), table[None], config=config)
+
+    def new_rows(self, logits: Any, prompt: np.ndarray, length: int, rows: RowParams,
+             tables: np.ndarray, grammar_state: Optional[np.ndarray] = None,
+             resume: Optional[dict] = None) -> Any:
+        config = chunks.RowsConfig(self.speculative, self.max_len, self.slot_config.research,
+                                   grammar_state is not None, self.draft is not None)
+        return chunks.new_rows(config, logits, prompt[None], np.array([length], np.int32),
+                               rows, tables, grammar_state, resume, **self._research())
 
     def insert(self, state: Any, rows: Any, targets: np.ndarray) -> Any:
         return slots.insert(state, rows, targets)
+
+    def copy_pages(self, state: Any, src: np.ndarray, dst: np.ndarray) -> Any:
+        return chunks.copy_pages(state, src, dst)
 
     def set_flags(self, state: Any, release: np.ndarray, paused: np.ndarray) -> Any:
         return slots.set_flags(state, release, paused)
@@ -96,14 +148,21 @@ class _Rows:
     def observe(self, r: Any, result: StepResult, slot: int) -> None:
         return None
 
-    def warmup(self, state: Any, prompt_buckets: Sequence[int], kv_buckets: Sequence[int],
-               top_ks: Sequence[int]) -> Any:
-        """Compile the one-row prefill + insert for each prompt bucket, the flags, and the
-        step for each attention bucket and top-k (a row past the last is dropped)."""
-        rows = slots.empty_rows(1, self.model.config.vocab_size, self.eos_token_ids)
-        for t in prompt_buckets:
-            fresh = self.prefill(np.zeros((1, t), np.int32), np.ones((1,), np.int32), rows)
-            state = self.insert(state, fresh, np.full((1,), self.rows, np.int32))
+    def warmup(self, state: Any, chunk_shapes: Sequence[tuple], prompt_widths: Sequence[int],
+               kv_buckets: Sequence[int], top_ks: Sequence[int]) -> Any:
+        """Compile each chunk program (length T, attention bucket), the new rows for each
+        prompt width and their insert, the flags, and the step for each attention bucket and
+        top-k (tables point at the null page; the inserted row is dropped)."""
+        table = np.zeros((-(-self.max_len // self.pages.page_size),), np.int32)
+        logits = None
+        for t, kv in chunk_shapes:
+            state, logits = self.chunk(state, np.zeros((1, t), np.int32), 0, 1, table, kv)
+        params = slots.empty_rows(1, self.model.config.vocab_size, self.eos_token_ids)
+        for width in prompt_widths:
+            grammar = None if state.grammar_state is None else np.full((1,), -1, np.int32)
+            new = self.new_rows(logits, np.zeros((width,), np.int32), 1, params, table[None],
+                            grammar)
+            state = self.insert(state, new, np.full((1,), self.rows, np.int32))
         flags = np.zeros((self.rows,), bool)
         state = self.set_flags(state, flags, flags)
         for kv in kv_buckets:
@@ -115,25 +174,8 @@ class _Rows:
 class PlainBackend(_Rows):
     """K = 1: one `decode.decode_step` per engine step (one loop body with `jd.generate`)."""
 
-    tokens_per_step = 1
-
-    def _research(self) -> dict:
-        return {} if self.research is None else {"research_args": self.research.args}
-
-    def _research_config(self) -> Optional[Any]:
-        return None if self.research is None else self.research.config
-
-    def empty_state(self) -> Any:
-        config = slots.SlotConfig(self.model, params_dtype(self.params), self.max_len,
-                                  self._research_config())
-        return slots.empty_state(config, self._empty_rows(), mesh=self.mesh, **self._research())
-
-    def prefill(self, tokens: np.ndarray, lengths: np.ndarray, rows: RowParams) -> Any:
-        config = decode.PrefillConfig(self.model, self.max_len, self._research_config())
-        return decode.prefill(config, self.params, tokens, lengths, rows, **self._research())
-
     def step(self, state: Any, kv_len: int, top_k: int) -> tuple[Any, Any]:
-        config = decode.StepConfig(self.model, top_k, kv_len, self._research_config())
+        config = decode.StepConfig(self.model, top_k, kv_len, self.slot_config.research)
         state, out = decode.decode_step_jit(state, self.params, config=config, **self._research())
         return state, self._output(out)
 
@@ -170,21 +212,13 @@ class SpeculativeBackend(_Rows):
     """K = k + 1: one `speculative.spec_round` per engine step over every slot (one loop body
     with `jd.speculative_generate`). Keeps the acceptance counters (`stats`)."""
 
+    speculative = True
+
     def __init__(self, spec: SpeculativeConfig, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, draft=spec.draft, draft_params=spec.draft_params, **kwargs)
         self.spec = spec
         self.tokens_per_step = spec.k + 1
         self.totals = dict.fromkeys(COUNTERS, 0)
-        self.slot_config = slots.SlotConfig(
-            self.model, params_dtype(self.params), self.max_len, draft=spec.draft,
-            draft_dtype=None if spec.draft is None else params_dtype(spec.draft_params))
-
-    def empty_state(self) -> Any:
-        return slots.empty_state(self.slot_config, self._empty_rows(), speculative=True)
-
-    def prefill(self, tokens: np.ndarray, lengths: np.ndarray, rows: RowParams) -> Any:
-        return slots.prefill_speculative(self.slot_config, self.params, self.spec.draft_params,
-                                         tokens, lengths, rows)
 
     def step(self, state: Any, kv_len: int, top_k: int) -> tuple[Any, Any]:
         spec = self.spec

@@ -70,10 +70,12 @@ class EngineCore:
     # -- the thread -----------------------------------------------------------------------------
 
     def ensure_thread(self) -> None:
-        """Start the engine thread unless it runs (under the queue's lock: two callers never
-        start two threads, and `is_alive` is true once `start` returns)."""
+        """Start the engine thread unless it runs or the engine is closed (under the queue's
+        lock: two callers never start two threads, and `is_alive` is true once `start`
+        returns)."""
         with self.scheduler.cond:
-            if self._thread is None or not self._thread.is_alive():
+            if not self.scheduler.closed and (self._thread is None
+                                              or not self._thread.is_alive()):
                 self._thread = threading.Thread(target=self._run, name="jaxdecode-engine",
                                                 daemon=True)
                 self._thread.start()
@@ -106,6 +108,7 @@ class EngineCore:
                 self.scheduler.drop_ended()
                 self._run_beams()
                 self._admit()
+                self._prefill()
                 dispatched = self._dispatch()
                 if in_flight is not None:
                     self.output.process(in_flight)
@@ -174,72 +177,99 @@ class EngineCore:
         if self.beams.error is not None:
             self.error, self.beams.error = self.beams.error, None
 
-    # -- admission ------------------------------------------------------------------------------
+    # -- admission and chunked prefill --------------------------------------------------------
+
+    def _init_state(self) -> None:
+        ctx = self.ctx
+        self.device(step_ops.init(ctx.max_slots, ctx.max_len, ctx.eos_token_ids, ctx.num_pages,
+                                  ctx.page_size))
 
     def _admit(self) -> None:
+        """Queued requests into free slots with their pages (scheduler.admissions); their
+        prompts are prefilled chunk by chunk (`_prefill`), a restored one is written back."""
         placed = self.scheduler.admissions()
         if not placed:
             return
         self._admitting = [r for r, _ in placed]  # suspects, should a call below fail
         if self.state is None:
-            self.device(step_ops.init(self.ctx.max_slots, self.ctx.max_len,
-                                      self.ctx.eos_token_ids))
-        fresh = [(r, slot) for r, slot in placed if r.restored is None]
+            self._init_state()
         for r, slot in placed:
             if r.restored is not None:
                 self._insert_restored(r, slot)
-        if fresh:
-            for r, _ in fresh:  # a request requeued by `recover` is DECODING already
+            else:  # a request requeued by `recover` is DECODING already
                 r.lifecycle.try_transition(RequestState.PREFILLING)
-            self.prefill_into([r for r, _ in fresh], [slot for _, slot in fresh])
-            for r, _ in fresh:
-                if not r.lifecycle.try_transition(RequestState.DECODING):
-                    r.lifecycle.record("engine.resumed", selected=r.selected,
-                                       processor_states_reset=self.stateful_processors)
+                self.scheduler.place(r, slot, len(r.token_ids), prefilling=True)
         self._admitting = []
 
-    def prefill_into(self, batch: list, free: list) -> None:
-        """Prefill the requests (one ADMIT op: each row alone at its own prompt bucket,
-        docs/batch_invariance.md) and scatter them into slots `free`. A request that already
-        selected tokens (requeued by `recover`) is prefilled with its prompt and those tokens
-        and goes on at its own step: its penalty counts, RNG step and grammar state are those it
-        had, so it selects what it would have selected."""
-        inputs = [r.prompt_ids + r.token_ids for r in batch]
-        n, vocab = len(batch), self.ctx.model.config.vocab_size
-        tokens = np.zeros((n, decode.bucket(max(map(len, inputs)), self.ctx.max_len)), np.int32)
-        lengths = np.array([len(ids) for ids in inputs], np.int32)
-        for i, ids in enumerate(inputs):
-            tokens[i, :len(ids)] = ids
-        rows = RowParams.build([r.device_sampling for r in batch], vocab,
-                               self.ctx.eos_token_ids, keys=np.stack([r.key_data for r in batch]))
-        resume = None
-        if any(r.token_ids for r in batch):  # step, counts, last token, prompt length
-            resume = (np.array([len(r.token_ids) for r in batch], np.int32),
-                      np.zeros((n, vocab), np.int32),
-                      np.array([r.token_ids[-1] if r.token_ids else -1 for r in batch],
-                               np.int32),
-                      np.array([len(r.prompt_ids) for r in batch], np.int32))
-            for i, r in enumerate(batch):
-                np.add.at(resume[1][i], r.token_ids, 1)
-        initial, states = self.grammar_tables(batch), None
+    def _prefill(self) -> None:
+        """This iteration's prefill chunks (scheduler.chunks), each one CHUNK op; after a
+        prompt's last chunk its rows start decoding."""
+        for c in self.scheduler.chunks():
+            self._admitting = [c.request]
+            self._run_chunk(c)
+        self._admitting = []
+
+    def _run_chunk(self, c: Any, activate: bool = True) -> None:
+        """One chunk on the device; after the last one, r (and its sharers) decode -- their
+        lifecycle moves on unless this is a probe of `recover` (`activate` False)."""
+        r = c.request
+        inputs = self.scheduler.prefill_inputs(r)
+        tokens = np.zeros((1, c.t), np.int32)
+        tokens[0, :c.length] = inputs[c.start:c.start + c.length]
+        final = self._new_rows(r, r.prompt_ids + r.token_ids) if c.final else None
+        self.device(step_ops.chunk(tokens, c.start, c.length, self.scheduler.table(r), c.kv_len,
+                                   final))
+        self.scheduler.register(c)
+        if c.final:
+            for x in [r] + (r.sharers or []):
+                x.is_prefilling = False
+                if activate and not x.lifecycle.try_transition(RequestState.DECODING):
+                    x.lifecycle.record("engine.resumed", selected=x.selected,
+                                       processor_states_reset=self.stateful_processors)
+
+    def _new_rows(self, r: Request, inputs: list) -> step_ops.NewRows:
+        """The rows that start decoding after r's prompt: r and the samples sharing its prompt
+        pages (each its own copy of the partial last page). A request that already selected
+        tokens (requeued by `recover`) goes on at its own step: its penalty counts, RNG step
+        and grammar state are those it had, so it selects what it would have selected."""
+        group = [r] + (r.sharers or [])
+        n, vocab, ps = len(inputs), self.ctx.model.config.vocab_size, self.ctx.page_size
+        prompt = np.zeros((decode.bucket(n, self.ctx.max_len),), np.int32)
+        prompt[:n] = inputs
+        rows = RowParams.build([x.device_sampling for x in group], vocab,
+                               self.ctx.eos_token_ids, keys=np.stack([x.key_data for x in group]))
+        initial, states = self.grammar_tables(group), None
         if initial is not None:
-            states = np.array([s + r.grammar.walk(r.token_ids) if r.grammar is not None else s
-                               for s, r in zip(initial, batch)], np.int32)
-        self.device(step_ops.admit(tokens, lengths, np.asarray(free, np.int32), rows, states,
-                                   resume))
-        for r, slot in zip(batch, free):
-            self.scheduler.place(r, slot, len(r.token_ids))
+            states = np.array([s + x.grammar.walk(x.token_ids) if x.grammar is not None else s
+                               for s, x in zip(initial, group)], np.int32)
+        resume = None
+        if r.token_ids:  # step, counts, last token, prompt length (only r selected any)
+            counts = np.zeros((1, vocab), np.int32)
+            np.add.at(counts[0], r.token_ids, 1)
+            resume = (np.array([len(r.token_ids)], np.int32), counts,
+                      np.array([r.token_ids[-1]], np.int32),
+                      np.array([len(r.prompt_ids)], np.int32))
+        written = len(self.scheduler.prefill_inputs(r))  # positions the prefill wrote
+        partial = [(r.pages[written // ps], x.pages[written // ps]) for x in group[1:]
+                   if written % ps]
+        copies = tuple(np.array(c, np.int32) for c in zip(*partial)) if partial else (
+            np.zeros((0,), np.int32), np.zeros((0,), np.int32))
+        return step_ops.NewRows(prompt, n, np.array([x.slot for x in group], np.int32),
+                                np.stack([self.scheduler.table(x) for x in group]), rows,
+                                states, resume, copies)
 
     def _insert_restored(self, r: Request, slot: int) -> None:
         a = r.restored
         r.lifecycle.transition(RequestState.PREFILLING)
+        self.scheduler.place(r, slot, r.selected, prefilling=False)
         initial = self.grammar_tables([r])
         state = None
         if initial is not None:
             local = int(a["grammar_local"]) if "grammar_local" in a else 0
             state = initial[0] + local if r.grammar is not None else -1
-        self.device(step_ops.restore(a, slot, state))
-        self.scheduler.place(r, slot, r.selected)
+        pages = r.pages[:-(-int(a["length"]) // self.ctx.page_size)]
+        self.device(step_ops.restore(a, slot, np.asarray(pages, np.int32),
+                                     self.scheduler.table(r), state))
         r.restored = None
         r.lifecycle.transition(RequestState.DECODING)
 
@@ -249,7 +279,7 @@ class EngineCore:
         initial grammar state of each request in `batch`, or None while nothing was ever
         constrained (then the step carries no tables and pays nothing)."""
         slots = self.scheduler.slots
-        wanted = [r.grammar for r in [r for r in slots if r is not None] + batch
+        wanted = [r.grammar for r in dict.fromkeys([r for r in slots if r is not None] + batch)
                   if r.grammar is not None]
         if not wanted and self.bundle is None:
             return None
@@ -338,10 +368,14 @@ class EngineCore:
         """Rebuild `group` in a fresh state and run `steps` steps, as the engine would (raises
         what they raise); the state is discarded either way."""
         try:
-            self.device(step_ops.init(self.ctx.max_slots, self.ctx.max_len,
-                                      self.ctx.eos_token_ids))
-            if group:
-                self.prefill_into(group, list(range(len(group))))
+            self._init_state()
+            for slot, r in enumerate(group):  # each alone, its whole prompt prefilled now
+                if not self.scheduler.take_pages([r]):
+                    raise RuntimeError("the rebuilt requests do not fit the KV pages")
+                self.scheduler.place(r, slot, len(r.token_ids), prefilling=True)
+            while self.scheduler.prefilling:
+                for c in self.scheduler.chunks():
+                    self._run_chunk(c, activate=False)
             for _ in range(steps):
                 kv_len, top_k = self.scheduler.step_shape(group, self.backend.kv_needed,
                                                           self.logprobs_k)
@@ -350,7 +384,7 @@ class EngineCore:
                     r.dispatched, r.in_flight = r.dispatched + 1, r.in_flight + 1
         finally:
             for r in group:
-                r.slot = None
+                r.slot, r.pages, r.is_prefilling = None, [], False
             self._reset_device()
 
     def _check_device(self) -> None:

@@ -20,6 +20,7 @@ from jaxdecode.config import MAX_LOGPROBS, SamplingParams
 from jaxdecode.device import constraints, research
 from jaxdecode.engine import admission, beam_lane, records, step_ops
 from jaxdecode.engine.core import EngineCore
+from jaxdecode.engine.pages import PagePool
 from jaxdecode.engine.request import Request, RequestHandle
 from jaxdecode.engine.scheduler import EngineClosed, QueueFull, Scheduler
 from jaxdecode.engine.speculative import SpeculativeConfig
@@ -47,7 +48,9 @@ class LLM:
                  step_hook: Optional[Any] = None, max_num_beams: int = admission.MAX_NUM_BEAMS,
                  max_n: int = admission.MAX_N, max_constraint_compile_s: float = 30.0,
                  max_constraint_states: int = constraints.limits.MAX_STATES,
-                 processors: Optional[Sequence[Any]] = None, params_hash: Optional[str] = None):
+                 processors: Optional[Sequence[Any]] = None, params_hash: Optional[str] = None,
+                 kv_pages: Optional[int] = None, page_size: int = 16,
+                 prefill_chunk: Optional[int] = 256, prefix_cache: bool = True):
         admission.check_sizes(max_slots, max_len, max_queue, model.config.max_len)
         self.model, self.params, self.tokenizer = model, params, tokenizer
         self.max_slots, self.max_len, self.max_queue = max_slots, max_len, max_queue
@@ -65,11 +68,17 @@ class LLM:
             model, tokenizer, self.limits, budget, self.eos_token_ids, trace=trace,
             stream={"max_buffered": max_buffered, "backpressure": backpressure},
             speculative=spec)
-        self._scheduler = Scheduler(max_slots, max_len, max_queue)
+        self.kv = admission.KVLayout.check(max_slots, max_len, kv_pages, page_size,
+                                           prefill_chunk, prefix_cache)
+        self._scheduler = Scheduler(
+            max_slots, max_len, max_queue, PagePool(self.kv.pages, page_size, prefix_cache),
+            self.kv.chunk, 0 if spec is None else spec.k + 1, lambda: self.model_snapshot,
+            prefill_last=spec is None)
         # every device call is a step op, published to step_hook first (serving/distributed.py)
         ctx = step_ops.Context(model, params, max_slots, max_len, self.eos_token_ids, mesh,
                                replicate_outputs=step_hook is not None, tokenizer=tokenizer,
-                               spec=spec, research=self._research)
+                               spec=spec, research=self._research, pages=self.kv.pages,
+                               page_size=page_size)
         self._core = EngineCore(ctx, self._scheduler, self.limits, logprobs_k=self.logprobs_k,
                                 step_hook=step_hook,
                                 stateful_processors=any(p.stateful for p in processors or ()))
@@ -178,10 +187,11 @@ class LLM:
         """Compile every shape the engine can meet for prompts up to `max_prompt_len`
         (`step_ops.warmup_shapes`). Returns the compilations. With a step hook, call it
         before the first request (the op must not interleave with the engine thread's)."""
-        op = step_ops.warmup(max_prompt_len, self.logprobs_k)
+        op = step_ops.warmup(max_prompt_len, self.logprobs_k, self.kv.chunk)
         if self.step_hook is not None:
             self.step_hook.publish(op)
-        return step_ops.warmup_shapes(self._core.ctx, max_prompt_len, self.logprobs_k)
+        return step_ops.warmup_shapes(self._core.ctx, max_prompt_len, self.logprobs_k,
+                                      self.kv.chunk)
 
     def wake(self) -> None:
         self._scheduler.wake()

@@ -98,13 +98,16 @@ class Records:
 
 
 def row_arrays(state: Any, r: Request, grammar_offset: int = 0) -> dict:
-    """Request r's slice of the engine's StepState (host arrays, module docstring);
+    """Request r's slice of the engine's StepState (host arrays, module docstring; its K/V
+    gathered from its pages, [layers, kv_heads, length, head_dim] as ever);
     `grammar_offset`: where its constraint starts in the live table set."""
-    slot = r.slot
-    length = int(state.cache.lengths[slot])
+    slot, pool = r.slot, state.cache
+    length = int(pool.lengths[slot])
+    pages = np.asarray(r.pages[:-(-length // pool.page_size)], np.int32)
     row = lambda x: np.asarray(x[slot])  # noqa: E731
-    arrays = {"k": np.asarray(state.cache.k[:, slot, :, :length]),
-              "v": np.asarray(state.cache.v[:, slot, :, :length]),
+    kv = lambda x: np.asarray(x[:, :, pages]).reshape(  # noqa: E731 (its pages, in order)
+        x.shape[:2] + (-1, x.shape[-1]))[:, :, :length]
+    arrays = {"k": kv(pool.k), "v": kv(pool.v),
               "length": np.int32(length), "logits": row(state.logits),
               "last_token": row(state.last_token), "step": row(state.step),
               "counts": row(state.counts), "seen": row(state.seen), "finish": row(state.finish)}

@@ -62,6 +62,15 @@ class Request:
         self.speculative: Optional[dict] = None  # acceptance counters (speculative backend)
         self.beam_row: list = [self]  # requests sharing one beam-search row (beam_lane)
         self.score: Optional[float] = None       # a beam's score (beam_lane)
+        # KV pages (scheduler.py, pages.py): the physical page of each logical page, their
+        # prefix-cache keys, prompt tokens mapped from the cache, input tokens prefilled so far
+        self.pages: list[int] = []
+        self.page_keys: list[bytes] = []
+        self.cached_tokens = 0
+        self.prefilled = 0
+        self.is_prefilling = False
+        self.share_with: Optional["Request"] = None  # sample 0 of its prompt (n > 1)
+        self.sharers: Optional[list] = None          # the samples sharing its prompt pages
         self.settled = threading.Event()         # paused with no step in flight
         self.finished = threading.Event()        # ended and released
 
@@ -72,7 +81,8 @@ class Request:
     def usage(self) -> Usage:
         return Usage(prompt_tokens=len(self.prompt_ids), selected_tokens=self.selected,
                      processed_tokens=self.processed,
-                     returned_tokens=self.pipeline.returned_tokens)
+                     returned_tokens=self.pipeline.returned_tokens,
+                     cached_tokens=min(self.cached_tokens, len(self.prompt_ids)))
 
     def take_logprobs(self) -> Optional[tuple[TokenLogprob, ...]]:
         """The logprobs of the returned tokens not yet sent in a delta (None when not asked)."""

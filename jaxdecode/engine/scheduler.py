@@ -1,12 +1,20 @@
-"""The scheduler: what runs next (no jax). It owns the admission queue and the slot table and
-turns them into decisions -- which queued requests enter which free slots, which rows are
+"""The scheduler: what runs next (no jax). It owns the admission queue, the slot table and the
+KV page pool (pages.py), and turns them into decisions -- which queued requests enter which
+free slots with which pages, which prompt chunks to prefill this iteration, which rows are
 released or paused, and the next step as a `StepPlan` (live rows, attention bucket, top-k of
 logprobs). The engine thread (core.py) carries the decisions out through the backend and the
 output processor; user threads only enqueue and wake it.
 
-Attention bucket: a step attends to the first `kv_len` cache positions, a power of two >=
-`KV_BUCKET_MIN` covering every live row (the backend bounds a row's need): few compiled
-variants, and short requests never pay for a long `max_len`.
+Admission: in queue order, a request enters when a slot is free and its pages fit -- the pages
+of its prompt and of `max_tokens` outputs (reserved up front, so a running request never waits
+for memory; rows past a row's reservation are never read). A request's prompt prefix found in
+the prefix cache is mapped, not recomputed; the samples of one prompt admitted together
+(`LLM.generate` with n > 1) share its prompt pages and only the first prefills. When the
+request at the head does not fit, admission waits (the queue keeps its order).
+
+Chunked prefill: every iteration prefills at most `prefill_chunk` prompt tokens (at least one
+chunk), before the running rows' decode step, so a long prompt delays the running streams by at
+most one chunk per step. Chunks start at multiples of the chunk size (shapes.chunk_plan).
 """
 
 from __future__ import annotations
@@ -19,9 +27,9 @@ from typing import Callable, Iterable, Optional
 
 import numpy as np
 
+from jaxdecode.engine.pages import NULL_PAGE, PagePool, page_keys
 from jaxdecode.engine.request import Request
-
-KV_BUCKET_MIN = 256
+from jaxdecode.shapes import MIN_BUCKET, chunk_length, chunk_plan, kv_bucket
 
 
 class QueueFull(RuntimeError):
@@ -32,17 +40,11 @@ class EngineClosed(RuntimeError):
     """The engine was closed; it accepts no more requests."""
 
 
-def kv_bucket(longest: int, max_len: int) -> int:
-    """The attention bucket covering `longest` positions (module docstring)."""
-    size = max(KV_BUCKET_MIN, 1 << max(0, int(longest) - 1).bit_length())
-    return min(size, max_len)
-
-
 @dataclasses.dataclass
 class StepPlan:
-    """The next step: the owner of each slot when it is dispatched (None: empty or not live),
-    the live requests, the release / pause masks to apply first (None: unchanged), the attention
-    bucket and the top-k of logprobs (0 or the engine's `logprobs_k`)."""
+    """The next step: the owner of each slot when it is dispatched (None: empty, prefilling or
+    not live), the live requests, the release / pause masks to apply first (None: unchanged),
+    the attention bucket and the top-k of logprobs (0 or the engine's `logprobs_k`)."""
 
     owners: list
     live: list
@@ -51,18 +53,48 @@ class StepPlan:
     top_k: int
 
 
-class Scheduler:
-    """The queue and the slots (module docstring). `cond` guards the queue; the slot table and
-    masks belong to the engine thread."""
+@dataclasses.dataclass
+class Chunk:
+    """One prefill chunk of a request: positions [start, start + length) run at length T with
+    attention bucket kv_len; `final`: the prompt's last chunk (its rows start decoding)."""
 
-    def __init__(self, max_slots: int, max_len: int, max_queue: int):
+    request: Request
+    start: int
+    t: int
+    length: int
+    kv_len: int
+    final: bool
+
+
+class Scheduler:
+    """The queue, the slots and the pages (module docstring). `cond` guards the queue; the
+    slot table, the pages and the masks belong to the engine thread."""
+
+    def __init__(self, max_slots: int, max_len: int, max_queue: int, pool: PagePool,
+                 prefill_chunk: int, extra_positions: int = 0,
+                 namespace: Callable[[], str] = lambda: "", prefill_last: bool = True):
         self.max_slots, self.max_len, self.max_queue = max_slots, max_len, max_queue
+        self.pool, self.prefill_chunk = pool, prefill_chunk
+        self.extra_positions = extra_positions  # speculative rounds write k + 1 ahead
+        # a speculative round writes the prompt's last token itself (it is pending): its
+        # prefill stops one short, so no cached page ever holds a position a round rewrites
+        self.prefill_last = prefill_last
+        self.namespace = namespace               # the model snapshot (prefix cache keys)
         self.cond = threading.Condition()
         self.queue: collections.deque[Request] = collections.deque()
         self.slots: list[Optional[Request]] = [None] * max_slots
+        self.prefilling: list[Request] = []      # admitted, prompt chunks pending
         self.release = np.zeros(max_slots, bool)
         self.paused = np.zeros(max_slots, bool)
         self.closed = False
+
+    @property
+    def page_size(self) -> int:
+        return self.pool.page_size
+
+    @property
+    def pages_per_row(self) -> int:
+        return -(-self.max_len // self.page_size)
 
     # -- the queue (any thread) ---------------------------------------------------------------
 
@@ -112,6 +144,67 @@ class Scheduler:
     def idle(self) -> bool:
         return not any(self.slots) and not self.queue
 
+    # -- pages ----------------------------------------------------------------------------------
+
+    def reserved_pages(self, r: Request) -> int:
+        """Pages a request holds: its inputs and max_tokens outputs (module docstring)."""
+        positions = len(r.prompt_ids) + r.device_sampling.max_tokens + self.extra_positions
+        return -(-min(positions, self.max_len) // self.page_size)
+
+    def prefill_inputs(self, r: Request) -> list[int]:
+        """The tokens r's prefill writes: its prompt and the tokens it already selected (a
+        request rebuilt after a failed step), but the last one for a speculative engine."""
+        inputs = r.prompt_ids + r.token_ids
+        return inputs if self.prefill_last else inputs[:-1]
+
+    def _shared_pages(self, r: Request) -> int:
+        """Full prefilled pages a sample shares with the first sample of its prompt."""
+        return len(self.prefill_inputs(r)) // self.page_size
+
+    def _cached(self, r: Request) -> list[int]:
+        """The pages of the longest cached prefix of r's inputs that ends on a chunk boundary
+        before its last chunk (that one must run: it gives the logits)."""
+        inputs = self.prefill_inputs(r)
+        per_chunk = self.prefill_chunk // self.page_size
+        r.page_keys = page_keys(inputs, self.page_size, self.prefill_chunk,
+                                chunk_length(len(inputs), self.prefill_chunk), self.namespace())
+        usable = max(0, len(inputs) - 1) // self.prefill_chunk * per_chunk
+        hits = self.pool.lookup(r.page_keys, usable)
+        return hits[:len(hits) // per_chunk * per_chunk]
+
+    def take_pages(self, group: list) -> bool:
+        """Pages for a request and the samples sharing its prompt, or False (nothing taken)."""
+        lead = group[0]
+        hits = [] if lead.restored is not None else self._cached(lead)
+        shared = self._shared_pages(lead)
+        need = self.reserved_pages(lead) - len(hits) + sum(
+            self.reserved_pages(r) - shared for r in group[1:])
+        if need > self.pool.available() - sum(1 for p in hits if self.pool.refs[p] == 0):
+            return False
+        self.pool.retain(hits)
+        lead.pages = hits + self.pool.allocate(self.reserved_pages(lead) - len(hits))
+        lead.cached_tokens = lead.prefilled = len(hits) * self.page_size
+        self.pool.queries += len(lead.prompt_ids)
+        self.pool.hits += min(lead.cached_tokens, len(lead.prompt_ids))
+        for r in group[1:]:
+            self.pool.retain(lead.pages[:shared])
+            r.pages = lead.pages[:shared] + self.pool.allocate(self.reserved_pages(r) - shared)
+            r.cached_tokens = 0
+        lead.sharers = group[1:]
+        return True
+
+    def table(self, r: Request) -> np.ndarray:
+        """int32[pages_per_row]: r's pages, then the null page."""
+        out = np.full((self.pages_per_row,), NULL_PAGE, np.int32)
+        out[:len(r.pages)] = r.pages
+        return out
+
+    def register(self, chunk: Chunk) -> None:
+        """After a chunk ran: cache its full pages (prefix cache)."""
+        r = chunk.request
+        first, end = chunk.start // self.page_size, (chunk.start + chunk.length) // self.page_size
+        self.pool.register(r.pages[first:end], r.page_keys[first:end])
+
     # -- decisions (the engine thread) --------------------------------------------------------
 
     def queued(self) -> list:
@@ -134,36 +227,72 @@ class Scheduler:
             return beams
 
     def admissions(self) -> list[tuple[Request, int]]:
-        """Queued requests for the free slots, in queue order: (request, slot) pairs."""
+        """Queued requests for the free slots whose pages fit, in queue order (module
+        docstring), with the samples of one prompt that come right after it: (request, slot)
+        pairs. A restored request brings its own arrays (pages: prompt and outputs so far)."""
         free = [slot for slot, r in enumerate(self.slots) if r is None]
+        placed: list = []
         with self.cond:
-            batch = [self.queue.popleft() for _ in range(min(len(free), len(self.queue)))]
+            while self.queue and len(placed) < len(free):
+                group = [self.queue[0]]
+                while (len(group) < min(len(self.queue), len(free) - len(placed))
+                       and self.queue[len(group)].share_with is group[0]):
+                    group.append(self.queue[len(group)])
+                if not self.take_pages(group):
+                    break
+                for r in group:
+                    self.queue.popleft()
+                    placed.append((r, free[len(placed)]))
             self.cond.notify_all()
-        return list(zip(batch, free))
+        return placed
 
-    def place(self, r: Request, slot: int, dispatched: int) -> None:
-        """`r` now owns `slot`, `dispatched` steps counted (its tokens so far)."""
+    def place(self, r: Request, slot: int, dispatched: int, prefilling: bool) -> None:
+        """`r` now owns `slot`, `dispatched` steps counted (its tokens so far); a request whose
+        prompt chunks are pending is not live until its last chunk ran."""
         self.release[slot] = False
         r.slot, r.dispatched, r.in_flight = slot, dispatched, 0
         self.slots[slot] = r
+        r.is_prefilling = prefilling
+        if prefilling and r.sharers is not None:
+            self.prefilling.append(r)
+
+    def chunks(self) -> list[Chunk]:
+        """This iteration's prefill chunks: at most `prefill_chunk` tokens (at least one
+        chunk), the oldest admitted request first."""
+        out, budget = [], self.prefill_chunk
+        for r in list(self.prefilling):
+            inputs = len(self.prefill_inputs(r))
+            plan = chunk_plan(inputs, r.prefilled, self.prefill_chunk, self.max_len) or [
+                (0, MIN_BUCKET, 0, kv_bucket(MIN_BUCKET, self.max_len))]  # nothing to write
+            for start, t, length, kv in plan:
+                if out and t > budget:
+                    return out
+                out.append(Chunk(r, start, t, length, kv, start + length == inputs))
+                budget -= t
+                r.prefilled = start + length
+                if r.prefilled == inputs:
+                    self.prefilling.remove(r)
+        return out
 
     def free(self, r: Request) -> None:
-        """Release `r`'s slot (the device row is marked done before the next step)."""
+        """Release `r`'s slot and pages (the device row is marked done before the next
+        step)."""
         slot = r.slot
         if slot is not None and self.slots[slot] is r:
             self.slots[slot] = None
             self.release[slot] = True
+        if r in self.prefilling:
+            self.prefilling.remove(r)
+        self.pool.release(r.pages)
+        r.pages = []
 
     def reset(self) -> None:
-        """Forget every slot assignment (the device state was dropped)."""
+        """Forget every slot assignment and page (the device state was dropped)."""
         self.slots = [None] * self.max_slots
+        self.prefilling = []
         self.release[:] = False
         self.paused[:] = False
-
-    def expired(self, requests: Iterable[Request], now: Optional[float] = None) -> list:
-        """The requests among these whose deadline has passed."""
-        now = time.monotonic() if now is None else now
-        return [r for r in requests if r.deadline is not None and now >= r.deadline]
+        self.pool.reset()
 
     def plan(self, kv_needed: Callable[[Request], int], logprobs_k: int) -> StepPlan:
         """The next step over the slots: rows paused by their user or by back-pressure skip it
@@ -179,7 +308,8 @@ class Scheduler:
             flags = (self.release.copy(), paused)
         self.release[:] = False
         self.paused = paused
-        live = [r for r, p in zip(owners, paused) if r is not None and not p]
+        live = [r for r, p in zip(owners, paused)
+                if r is not None and not p and not r.is_prefilling]
         kv_len, top_k = self.step_shape(live, kv_needed, logprobs_k)
         return StepPlan(owners=[r if r in live else None for r in owners], live=live,
                         flags=flags, kv_len=kv_len, top_k=top_k)
@@ -191,3 +321,8 @@ class Scheduler:
         longest = max((kv_needed(r) for r in live), default=1)
         top_k = logprobs_k if any(r.logprobs is not None for r in live) else 0
         return kv_bucket(longest, self.max_len), top_k
+
+    def expired(self, requests: Iterable[Request], now: Optional[float] = None) -> list:
+        """The requests among these whose deadline has passed."""
+        now = time.monotonic() if now is None else now
+        return [r for r in requests if r.deadline is not None and now >= r.deadline]

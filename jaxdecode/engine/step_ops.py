@@ -7,8 +7,10 @@ each decision as a `StepOp` and applies it with `apply`; a follower process
 (`serving/distributed.py`) receives the same ops and applies them with the same `apply` to its
 own state, so leader and followers cannot drift. One op = one device action:
 
-    INIT     empty slot state                    ADMIT    prefill rows, scatter into slots
-    RESTORE  insert a saved row into a slot      GRAMMAR  new grammar tables / rebased states
+    INIT     empty slot state and page pool      CHUNK    one prefill chunk of one row into its
+                                                          pages; the last one also sets up the
+                                                          rows that start decoding after it
+    RESTORE  a saved row into pages and a slot   GRAMMAR  new grammar tables / rebased states
     FLAGS    release and pause masks             STEP     one decode step (kv_len, top_logprobs)
     RESET    drop the state (after a failure)    WARMUP   compile every engine shape
     BEAM     one `jd.beam_search` call of the engine's beam lane (the slot state is untouched)
@@ -32,17 +34,17 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxdecode.device import decode, numerics
+from jaxdecode.device import chunks, decode, numerics
 from jaxdecode.device.beam import beam_search
 from jaxdecode.device.constraints.tables import GrammarTables
 from jaxdecode.device.state import RowParams, StepState
-from jaxdecode.engine.backend import PlainBackend, SlotBackend, SpeculativeBackend
-from jaxdecode.engine.scheduler import kv_bucket
-from jaxdecode.model_api import DecoderModel
+from jaxdecode.engine.backend import Pages, PlainBackend, SlotBackend, SpeculativeBackend
+from jaxdecode.engine.scheduler import chunk_plan, kv_bucket
+from jaxdecode.model_api import DecoderModel, PagedKVCache
 
-VERSION = 1
-INIT, ADMIT, RESTORE, GRAMMAR, FLAGS, STEP, RESET, WARMUP, STOP, BEAM = range(1, 11)
-NAMES = {INIT: "init", ADMIT: "admit", RESTORE: "restore", GRAMMAR: "grammar", FLAGS: "flags",
+VERSION = 2
+INIT, CHUNK, RESTORE, GRAMMAR, FLAGS, STEP, RESET, WARMUP, STOP, BEAM = range(1, 11)
+NAMES = {INIT: "init", CHUNK: "chunk", RESTORE: "restore", GRAMMAR: "grammar", FLAGS: "flags",
          STEP: "step", RESET: "reset", WARMUP: "warmup", STOP: "stop", BEAM: "beam"}
 
 _TABLE_FIELDS = ("allowed", "accepting", "has_next", "dense_next", "indptr", "tokens", "targets")
@@ -84,36 +86,63 @@ def _i32(value: int) -> np.ndarray:
     return np.array(value, np.int32)
 
 
-def init(max_slots: int, max_len: int, eos_token_ids: Sequence[int]) -> StepOp:
+def init(max_slots: int, max_len: int, eos_token_ids: Sequence[int], num_pages: int,
+         page_size: int) -> StepOp:
     """The config travels with INIT so a follower started with other flags fails loudly."""
     return StepOp(INIT, {"max_slots": _i32(max_slots), "max_len": _i32(max_len),
-                         "eos_token_ids": np.asarray(eos_token_ids, np.int32).reshape(-1)})
+                         "eos_token_ids": np.asarray(eos_token_ids, np.int32).reshape(-1),
+                         "num_pages": _i32(num_pages), "page_size": _i32(page_size)})
 
 
-def admit(tokens: np.ndarray, lengths: np.ndarray, targets: np.ndarray, rows: RowParams,
-          grammar_state: Optional[np.ndarray] = None,
-          resume: Optional[tuple[np.ndarray, np.ndarray, np.ndarray]] = None) -> StepOp:
-    """Prefill tokens int32[n, T] (lengths int32[n]) and scatter row i into slot targets[i]
-    (max_slots drops a padding row); rows: RowParams of numpy arrays. `apply` prefills each row
-    alone at its own prompt bucket (batch invariance, docs/batch_invariance.md). `resume` =
-    (step int32[n], counts int32[n, V], last token int32[n], prompt length int32[n]) for rows
-    whose tokens end with output they already selected (`EngineCore.recover`): the row continues at
-    that step with those penalty counts (custom processors see its own prompt length)."""
-    arrays = {"tokens": tokens, "lengths": lengths, "targets": targets}
-    arrays.update({"rows." + k: np.asarray(v) for k, v in vars(rows).items()})
-    if grammar_state is not None:
-        arrays["grammar_state"] = grammar_state
-    if resume is not None:
-        arrays.update(zip(("resume.step", "resume.counts", "resume.last_token",
-                           "resume.prompt_length"), resume))
-    return StepOp(ADMIT, arrays)
+@dataclasses.dataclass
+class NewRows:
+    """What the last chunk of a prompt sets up: the prompt (int32[T], padded) and its length,
+    and per row that starts decoding from it (the request and the samples sharing its
+    prompt pages): its slot, page table, settings, grammar state (when the engine has
+    constraints) and `resume` arrays (step, counts, last token, prompt length) for a request
+    rebuilt after a failed step; `copies` (src, dst) pages copied first (copy on write)."""
+
+    prompt: np.ndarray
+    prompt_length: int
+    slots: np.ndarray
+    tables: np.ndarray
+    rows: RowParams
+    grammar_state: Optional[np.ndarray] = None
+    resume: Optional[tuple] = None
+    copies: tuple = (np.zeros((0,), np.int32), np.zeros((0,), np.int32))
 
 
-def restore(saved: Mapping[str, np.ndarray], slot: int,
+_RESUME = ("resume.step", "resume.counts", "resume.last_token", "resume.prompt_length")
+
+
+def chunk(tokens: np.ndarray, start: int, length: int, table: np.ndarray, kv_len: int,
+          final: Optional[NewRows] = None) -> StepOp:
+    """Prefill tokens int32[1, T] (the first `length` real) at positions start.. of the row
+    whose page table is `table` int32[P], attending to `kv_len` positions; with `final`, the
+    rows that start decoding after it (`NewRows`)."""
+    arrays = {"tokens": tokens, "start": _i32(start), "length": _i32(length),
+              "table": np.asarray(table, np.int32), "kv_len": _i32(kv_len)}
+    if final is not None:
+        arrays.update({"prompt": final.prompt, "prompt_length": _i32(final.prompt_length),
+                       "slots": np.asarray(final.slots, np.int32),
+                       "tables": np.asarray(final.tables, np.int32),
+                       "copy_src": np.asarray(final.copies[0], np.int32),
+                       "copy_dst": np.asarray(final.copies[1], np.int32)})
+        arrays.update({"rows." + k: np.asarray(v) for k, v in vars(final.rows).items()})
+        if final.grammar_state is not None:
+            arrays["grammar_state"] = np.asarray(final.grammar_state, np.int32)
+        if final.resume is not None:
+            arrays.update(zip(_RESUME, final.resume))
+    return StepOp(CHUNK, arrays)
+
+
+def restore(saved: Mapping[str, np.ndarray], slot: int, pages: np.ndarray, table: np.ndarray,
             grammar_state: Optional[int] = None) -> StepOp:
-    """Insert a row saved by `LLM.save_request` (its arrays) into `slot`."""
+    """Write a row saved by `LLM.save_request` (its arrays) into `pages` and insert it into
+    `slot` with page table `table`."""
     arrays = {k: np.asarray(v) for k, v in saved.items() if k != "grammar_local"}
-    arrays["slot"] = _i32(slot)
+    arrays.update(slot=_i32(slot), pages=np.asarray(pages, np.int32),
+                  table=np.asarray(table, np.int32))
     if grammar_state is not None:
         arrays["grammar_state"] = _i32(grammar_state)
     return StepOp(RESTORE, arrays)
@@ -144,9 +173,9 @@ def reset() -> StepOp:
     return StepOp(RESET)
 
 
-def warmup(max_prompt_len: int, top_logprobs: int = 0) -> StepOp:
+def warmup(max_prompt_len: int, top_logprobs: int = 0, chunk: int = 0) -> StepOp:
     return StepOp(WARMUP, {"max_prompt_len": _i32(max_prompt_len),
-                           "top_logprobs": _i32(top_logprobs)})
+                           "top_logprobs": _i32(top_logprobs), "chunk": _i32(chunk)})
 
 
 def stop() -> StepOp:
@@ -197,7 +226,8 @@ class Context:
     so the leader can read it when the state is spread over other hosts' devices. It is a
     collective, so the leader and its followers must agree: it is on exactly when a mesh is
     used with a step hook (the leader) or in a follower. `spec`: a SpeculativeConfig (steps are
-    speculative rounds); `research`: the engine's custom processors (research.Setup)."""
+    speculative rounds); `research`: the engine's custom processors (research.Setup);
+    `pages` and `page_size` shape the KV page pool."""
 
     model: DecoderModel
     params: Any
@@ -209,12 +239,23 @@ class Context:
     tokenizer: Any = None  # BEAM: compiles a response_format
     spec: Optional[Any] = None
     research: Optional[Any] = None
+    pages: Optional[int] = None  # allocatable pages (default: max_slots rows of max_len)
+    page_size: int = 16
+
+    @property
+    def num_pages(self) -> int:
+        """Pages of the device pool: the allocatable ones and the null page."""
+        return (self.max_slots * self.pages_per_row if self.pages is None else self.pages) + 1
 
     @property
     def rows(self) -> int:
         """Rows of the device state: max_slots, at least numerics.MIN_ROWS (no program of one
         row, docs/batch_invariance.md); a row past max_slots is never admitted (always done)."""
         return max(self.max_slots, numerics.MIN_ROWS)
+
+    @property
+    def pages_per_row(self) -> int:
+        return -(-self.max_len // self.page_size)
 
     def per_row(self, mask: np.ndarray) -> np.ndarray:
         """A per-slot array ([max_slots]) extended with zeros to the state's rows."""
@@ -223,7 +264,8 @@ class Context:
     @functools.cached_property
     def backend(self) -> SlotBackend:
         """The slot backend that runs this context's device (engine/backend.py)."""
-        args = (self.model, self.params, self.rows, self.max_len, self.eos_token_ids)
+        args = (self.model, self.params, self.rows, self.max_len, self.eos_token_ids,
+                Pages(self.num_pages, self.page_size))
         if self.spec is not None:
             return SpeculativeBackend(self.spec, *args)
         return PlainBackend(*args, research=self.research, mesh=self.mesh,
@@ -238,11 +280,12 @@ def apply(ctx: Context, state: Optional[Any], op: StepOp) -> tuple[Optional[Any]
     if op.code == INIT:
         _check_config(ctx, op)
         return backend.empty_state(), None
-    if op.code == ADMIT:
-        return _admit(ctx, state, a), None
+    if op.code == CHUNK:
+        state, logits = backend.chunk(state, a["tokens"], op.scalar("start"),
+                                      op.scalar("length"), a["table"], op.scalar("kv_len"))
+        return (state if "slots" not in a else _new_rows(ctx, state, logits, a)), None
     if op.code == RESTORE:
-        target = np.array([op.scalar("slot")], np.int32)
-        return backend.insert(state, _saved_row(ctx, a), target), None
+        return _restore(ctx, state, a), None
     if op.code == GRAMMAR:
         old = (state.grammar_state if state.grammar_state is not None
                else np.full((ctx.rows,), -1, np.int32))
@@ -260,21 +303,40 @@ def apply(ctx: Context, state: Optional[Any], op: StepOp) -> tuple[Optional[Any]
     if op.code == BEAM:
         return state, _beam(ctx, a)
     if op.code == WARMUP:
-        return state, warmup_shapes(ctx, op.scalar("max_prompt_len"), op.scalar("top_logprobs"))
+        return state, warmup_shapes(ctx, op.scalar("max_prompt_len"), op.scalar("top_logprobs"),
+                                    op.scalar("chunk"))
     raise ValueError(f"op: {op.name} is not applied to a state (the follower loop ends on it)")
 
 
-def _admit(ctx: Context, state: Any, a: Mapping[str, np.ndarray]) -> Any:
-    """ADMIT: each row prefilled alone and scattered into its target slot (a target of
-    max_slots is a padding row, dropped)."""
+def _new_rows(ctx: Context, state: Any, logits: Any, a: Mapping[str, np.ndarray]) -> Any:
+    """The last chunk's rows (`NewRows`): the copies, then each row built from the prompt's
+    logits with its own settings and page table, scattered into its slot."""
+    backend = ctx.backend
+    if a["copy_src"].size:
+        state = backend.copy_pages(state, a["copy_src"], a["copy_dst"])
     rows = RowParams(**{k[5:]: v for k, v in a.items() if k.startswith("rows.")})
-    for i, target in enumerate(a["targets"]):
-        if target < ctx.max_slots:
-            row = {k: v[i:i + 1] for k, v in a.items()
-                   if k in ("targets", "grammar_state") or k.startswith("resume.")}
-            state = _admit_row(ctx, state, a["tokens"][i, :a["lengths"][i]],
-                               decode.one_row(rows, i), row)
+    for i, slot in enumerate(a["slots"]):
+        one = lambda x: x[i:i + 1]  # noqa: E731
+        resume = ({"step": one(a[_RESUME[0]]), "counts": one(a[_RESUME[1]]),
+                   "last_token": one(a[_RESUME[2]]), "prompt_length": one(a[_RESUME[3]])}
+                  if _RESUME[0] in a else None)
+        if resume is not None and backend.speculative:  # a SpecState keeps its history
+            del resume["last_token"]
+        new = backend.new_rows(logits, a["prompt"], int(a["prompt_length"]),
+                           decode.one_row(rows, i), one(a["tables"]),
+                           one(a["grammar_state"]) if "grammar_state" in a else None, resume)
+        state = backend.insert(state, new, np.array([slot], np.int32))
     return state
+
+
+def _restore(ctx: Context, state: Any, a: Mapping[str, np.ndarray]) -> Any:
+    """RESTORE: the saved K/V into the row's pages, the saved row into its slot."""
+    length, pages = int(a["length"]), a["pages"]
+    width = len(pages) * ctx.page_size
+    pad = lambda x: np.pad(x, ((0, 0), (0, 0), (0, width - length), (0, 0)))  # noqa: E731
+    state = chunks.write_pages(state, pages, pad(a["k"]), pad(a["v"]))
+    return ctx.backend.insert(state, _saved_row(ctx, a),
+                              np.array([int(a["slot"])], np.int32))
 
 
 def _beam(ctx: Context, a: Mapping[str, np.ndarray]) -> Any:
@@ -286,45 +348,24 @@ def _beam(ctx: Context, a: Mapping[str, np.ndarray]) -> Any:
                        tokenizer=ctx.tokenizer, processors=processors, **settings)
 
 
-def _admit_row(ctx: Context, state: Any, prompt: np.ndarray, rows: RowParams,
-               row: Mapping[str, np.ndarray]) -> Any:
-    """Prefill one prompt alone at its own bucket and scatter it into slot row["targets"]
-    (int32[1]; max_slots drops it: warm-up), with the row's "grammar_state" and "resume.*"
-    arrays of an ADMIT op when present."""
-    tokens, lengths = decode.row_tokens(prompt, ctx.max_len), np.array([len(prompt)], np.int32)
-    prefilled = ctx.backend.prefill(tokens, lengths, rows)
-    if "grammar_state" in row:
-        prefilled = prefilled.replace(grammar_state=row["grammar_state"])
-    if "resume.step" in row:
-        resumed = {"step": row["resume.step"], "counts": row["resume.counts"]}
-        if isinstance(prefilled, StepState):  # a SpecState keeps its history instead
-            resumed["last_token"] = row["resume.last_token"]
-        if prefilled.research is not None:  # the prompt ends where the output began
-            resumed["research"] = prefilled.research.replace(
-                prompt_length=row["resume.prompt_length"])
-        prefilled = prefilled.replace(**resumed)
-    return ctx.backend.insert(state, prefilled, row["targets"])
-
-
-def prompt_buckets(max_len: int, max_prompt_len: int) -> list:
-    """The prompt buckets of prompts up to `max_prompt_len` tokens."""
-    return sorted({decode.bucket(n, max_len) for n in range(1, min(max_prompt_len, max_len - 1)
-                                                               + 1)})
-
-
 def kv_buckets(max_len: int) -> list:
     """Every attention bucket a step can use (scheduler.kv_bucket)."""
     return sorted({kv_bucket(1 << i, max_len) for i in range(max_len.bit_length() + 1)})
 
 
-def warmup_shapes(ctx: Context, max_prompt_len: int, top_logprobs: int = 0) -> int:
-    """Compile every shape the engine can meet for prompts up to `max_prompt_len`: the
-    one-row prefill for each prompt bucket, the slot scatter, the flags and the step for each
-    attention bucket, without logprobs and with `top_logprobs` (the engine's two step
-    variants). Returns the compilations."""
+def warmup_shapes(ctx: Context, max_prompt_len: int, top_logprobs: int = 0,
+                  chunk: Optional[int] = None) -> int:
+    """Compile every shape the engine can meet for prompts up to `max_prompt_len`: each
+    prefill chunk program (length, attention bucket), the new rows of each prompt width, the
+    flags and the step for each attention bucket, without logprobs and with `top_logprobs`
+    (the engine's two step variants). Returns the compilations."""
     before = decode.compilation_count()
-    state = ctx.backend.warmup(ctx.backend.empty_state(), prompt_buckets(ctx.max_len,
-                                                                         max_prompt_len),
+    lengths = range(1, min(max_prompt_len, ctx.max_len - 1) + 1)
+    chunk = chunk or ctx.max_len
+    shapes = sorted({(t, kv) for n in lengths
+                     for _, t, _, kv in chunk_plan(n, 0, chunk, ctx.max_len)})
+    widths = sorted({decode.bucket(n, ctx.max_len) for n in lengths})
+    state = ctx.backend.warmup(ctx.backend.empty_state(), shapes, widths,
                                kv_buckets(ctx.max_len), sorted({0, top_logprobs}))
     jax.block_until_ready(state)
     return decode.compilation_count() - before
@@ -332,9 +373,11 @@ def warmup_shapes(ctx: Context, max_prompt_len: int, top_logprobs: int = 0) -> i
 
 def _check_config(ctx: Context, op: StepOp) -> None:
     theirs = {"max_slots": op.scalar("max_slots"), "max_len": op.scalar("max_len"),
-              "eos_token_ids": tuple(int(i) for i in op.arrays["eos_token_ids"])}
+              "eos_token_ids": tuple(int(i) for i in op.arrays["eos_token_ids"]),
+              "num_pages": op.scalar("num_pages"), "page_size": op.scalar("page_size")}
     ours = {"max_slots": ctx.max_slots, "max_len": ctx.max_len,
-            "eos_token_ids": tuple(ctx.eos_token_ids)}
+            "eos_token_ids": tuple(ctx.eos_token_ids), "num_pages": ctx.num_pages,
+            "page_size": ctx.page_size}
     for name, value in theirs.items():
         if ours[name] != value:
             raise ValueError(f"{name}: the leader uses {value!r}, this process {ours[name]!r} "
@@ -342,19 +385,14 @@ def _check_config(ctx: Context, op: StepOp) -> None:
 
 
 def _saved_row(ctx: Context, a: Mapping[str, np.ndarray]) -> StepState:
-    """A one-row StepState from `LLM.save_request`'s arrays (cache padded to max_len). Numpy
-    leaves only: jit places them like the state (no array committed to one local device)."""
-    length = int(a["length"])
-    cache = jax.eval_shape(lambda: ctx.model.init_cache(1, ctx.max_len,
-                                                        decode.params_dtype(ctx.params)))
-    k = np.zeros(cache.k.shape, cache.k.dtype)
-    v = np.zeros(cache.v.shape, cache.v.dtype)
-    k[:, 0, :, :length], v[:, 0, :, :length] = a["k"], a["v"]
+    """A one-row StepState from `LLM.save_request`'s arrays, its cache the page table of its
+    new pages. Numpy leaves only: jit places them like the state."""
     one = lambda x: np.asarray(x)[None]  # noqa: E731
     rows = RowParams(**{name[5:]: one(value) for name, value in a.items()
                         if name.startswith("rows.")})
-    row = StepState(cache=cache.replace(k=k, v=v, lengths=np.array([length], np.int32)),
-                    logits=one(a["logits"]), last_token=one(a["last_token"]),
+    cache = PagedKVCache(k=None, v=None, page_table=one(a["table"]),
+                         lengths=np.array([int(a["length"])], np.int32), max_len=ctx.max_len)
+    row = StepState(cache=cache, logits=one(a["logits"]), last_token=one(a["last_token"]),
                     step=one(a["step"]), counts=one(a["counts"]), seen=one(a["seen"]),
                     done=np.zeros((1,), bool), paused=np.zeros((1,), bool),
                     finish=one(a["finish"]), rows=rows)

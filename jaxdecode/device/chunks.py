@@ -1,0 +1,165 @@
+"""Chunked prefill into KV pages, and the new rows of admitted requests (the engine's device
+side of admission; docs/serving.md "Paged KV").
+
+`prefill_chunk` runs one chunk of one prompt -- tokens [1, T] at positions start .. start+T-1
+-- through the model over the engine's page pool, with that row's page table: the chunk's K/V
+land in its pages, its queries attend to every earlier position of the row (pages written by
+earlier chunks, or mapped from the prefix cache) and causally within the chunk. It returns the
+logits of the chunk's last real token. A prompt is prefilled in chunks that start at multiples
+of the chunk size from position 0, one row at a time (batch invariance: no chunk ever sees
+another row), so the bits of a page depend only on the tokens up to it and the program's
+shape T (engine/pages.py keys the prefix cache on exactly that).
+
+After a prompt's last chunk, `new_rows` builds the rows that start decoding from its logits --
+the request, and the other samples of its prompt, which share its prompt pages -- each with
+its own settings, key, page table and grammar state; `slots.insert` scatters them into their
+slots. `copy_pages` gives each sample its own copy of the prompt's partial last page (copy on
+write: that page receives output tokens). `write_pages` restores a saved row's K/V into pages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+
+from jaxdecode.device import cache_ops
+from jaxdecode.device import research as research_lib
+from jaxdecode.device.decode import kv_len_keyword
+from jaxdecode.device.speculative.state import SpecState
+from jaxdecode.device.state import RowParams, StepState
+from jaxdecode.model_api import DecoderModel, PagedKVCache
+
+Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkConfig:
+    """Static part of a chunk: the model (and a speculative engine's draft, whose pool is
+    written too) and the attention bucket covering start + T."""
+
+    model: DecoderModel
+    kv_len: int
+    draft: Optional[DecoderModel] = None
+
+
+def _write(model: DecoderModel, params: Any, pool: PagedKVCache, tokens: Array, start: Array,
+           length: Array, table: Array, kv_len: int) -> tuple[PagedKVCache, Array]:
+    view = pool.replace(page_table=table, lengths=start)
+    positions = start[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
+    logits, out = model.forward(params, tokens, positions, view, lengths=length,
+                                **kv_len_keyword(model, kv_len))
+    last = jnp.take_along_axis(logits, (length - 1)[:, None, None], axis=1)[:, 0]
+    return pool.replace(k=out.k, v=out.v), last.astype(jnp.float32)
+
+
+@cache_ops.shared_tables
+def prefill_chunk(state: Any, params: Any, draft_params: Any, tokens: Array, start: Array,
+                  length: Array, table: Array, *, config: ChunkConfig) -> tuple[Any, Array]:
+    """One chunk of one row (tokens int32[1, T], start / length int32[1], table int32[1, P])
+    into the pool (module docstring). Returns the state and the logits f32[1, V] after the
+    chunk's last real token."""
+    if isinstance(state, SpecState):
+        tcache, logits = _write(config.model, params, state.tcache, tokens, start, length, table,
+                                config.kv_len)
+        state = state.replace(tcache=tcache)
+        if config.draft is not None:
+            dcache, _ = _write(config.draft, draft_params, state.dcache, tokens, start, length,
+                               table, config.kv_len)
+            state = state.replace(dcache=dcache)
+        return state, logits
+    cache, logits = _write(config.model, params, state.cache, tokens, start, length, table,
+                           config.kv_len)
+    return state.replace(cache=cache), logits
+
+
+@dataclasses.dataclass(frozen=True)
+class RowsConfig:
+    """Static part of new rows: the kind of state, its positions per row, the engine's custom
+    processors, whether the state carries grammar states, whether it has a draft cache."""
+
+    speculative: bool
+    max_len: int
+    research: Optional[research_lib.ResearchConfig] = None
+    grammar: bool = False
+    draft: bool = False
+
+
+def _per_row(x: Array, n: int) -> Array:
+    return jnp.broadcast_to(x, (n,) + x.shape[1:])
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def new_rows(config: RowsConfig, logits: Array, prompt: Array, length: Array, rows: RowParams,
+             tables: Array, grammar_state: Optional[Array] = None, resume: Optional[dict] = None,
+             research_args: Any = None) -> Any:
+    """n rows that start decoding after a prompt (prompt int32[1, T] right-padded, length
+    int32[1]; its last chunk's logits f32[1, V]): settings `rows` and page tables int32[n, P]
+    per row; the grammar state int32[n] when the state has one; `resume` (step, counts,
+    last_token, prompt_length; [n, ...] each) for a request rebuilt after a failed step, whose
+    "prompt" ends with the tokens it had selected. A StepState, or a SpecState when
+    `config.speculative` (caches hold the prompt but its last token, which is pending)."""
+    n, vocab = rows.bias.shape
+    real = jnp.arange(prompt.shape[1])[None, :] < length[:, None]
+    seen = jnp.zeros((1, vocab), bool).at[jnp.zeros_like(prompt), prompt].max(real)
+    zeros = jnp.zeros((n,), jnp.int32)
+    resume = resume or {}
+    step, counts = resume.get("step", zeros), resume.get("counts", jnp.zeros((n, vocab),
+                                                                             jnp.int32))
+    lengths = _per_row(length, n)
+    pages = lambda lens: PagedKVCache(k=None, v=None, page_table=tables,  # noqa: E731
+                                      lengths=lens, max_len=config.max_len)
+    common = dict(rows=rows, step=step, counts=counts, seen=_per_row(seen, n),
+                  done=jnp.zeros((n,), bool), paused=jnp.zeros((n,), bool), finish=zeros)
+    if config.speculative:
+        hist = jnp.zeros((n, config.max_len), jnp.int32).at[:, :prompt.shape[1]].set(
+            jnp.where(real, prompt, 0))
+        state = SpecState(**common, tcache=pages(lengths - 1), hist=hist,
+                          lpbuf=jnp.zeros((n, config.max_len), jnp.float32), length=lengths,
+                          proposed=zeros, accepted=zeros, target_tokens=zeros,
+                          iterations=zeros)
+        if config.draft:
+            state = state.replace(dcache=pages(lengths - 1), lag=jnp.zeros((n,), bool))
+    else:
+        state = StepState(**common, cache=pages(lengths), logits=_per_row(logits, n),
+                          last_token=resume.get("last_token", jnp.full((n,), -1, jnp.int32)))
+    if config.grammar:
+        state = state.replace(grammar_state=grammar_state)
+    if config.research is not None:
+        rs = research_lib.initial_state(config.research, research_args, _per_row(prompt, n),
+                                        lengths, config.max_len, {})
+        if "prompt_length" in resume:  # the prompt ends where the output began
+            rs = rs.replace(prompt_length=resume["prompt_length"])
+        state = state.replace(research=rs)
+    return state
+
+
+def _pools(state: Any) -> list[str]:
+    """The fields of a state that hold page pools."""
+    if isinstance(state, SpecState):
+        return ["tcache"] + (["dcache"] if state.dcache is not None else [])
+    return ["cache"]
+
+
+@cache_ops.shared_tables
+def copy_pages(state: Any, src: Array, dst: Array) -> Any:
+    """Page dst[i] becomes a copy of page src[i] in every pool of the state, every layer."""
+    def copy(pool):
+        return pool.replace(k=pool.k.at[:, :, dst].set(pool.k[:, :, src]),
+                            v=pool.v.at[:, :, dst].set(pool.v[:, :, src]))
+
+    return state.replace(**{f: copy(getattr(state, f)) for f in _pools(state)})
+
+
+@cache_ops.shared_tables
+def write_pages(state: Any, pages: Array, k: Array, v: Array) -> Any:
+    """Saved keys and values [layers, kv_heads, n * page_size, head_dim] of one row written
+    into `pages` int32[n] of a plain state's pool (restoring a saved request)."""
+    pool = state.cache
+    shape = k.shape[:2] + (pages.shape[0], pool.page_size, k.shape[-1])
+    return state.replace(cache=pool.replace(
+        k=pool.k.at[:, :, pages].set(k.reshape(shape).astype(pool.k.dtype)),
+        v=pool.v.at[:, :, pages].set(v.reshape(shape).astype(pool.v.dtype))))
