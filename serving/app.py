@@ -37,7 +37,10 @@ the ``reason`` from an engine step that failed until a step succeeds again (`LLM
 ``{"draft": "prompt_lookup", "k": 4, "ngram_max": 3, "ngram_min": 1}``) is reported by /health
 and the model card; /metrics then adds the engine's acceptance counters.
 
-Streaming: ``text/event-stream`` with ``id: <n>`` and ``data: <chunk json>`` per event, then an
+Streaming: ``text/event-stream`` with ``data: <chunk json>`` per event -- and ``id: <n>`` before
+it when the client asks (``stream_options.include_ids``, or the header ``X-Event-Ids: true``;
+always on ``GET /v1/streams/{id}``): plain OpenAI clients and benchmark tools such as
+``vllm bench serve`` read every line as ``data: ``, so ids are opt-in -- then an
 optional usage chunk (``stream_options.include_usage``: ``choices: []``; every other chunk then
 has ``"usage": null``) and ``data: [DONE]``; see `serving.streams` for ids and resumption. The
 response id is in the ``x-request-id`` header and in every chunk's ``id``.
@@ -113,6 +116,17 @@ def _failure(data: dict) -> ApiError:
         return ApiError(400, f"{param}: {message}" if param else message, param=param,
                         code=code.value)
     return ApiError(500, message, code=code.value, type="server_error")
+
+
+def usage_object(prompt_tokens: int, handles: list) -> dict:
+    """OpenAI's usage of one completion request (its choices' engine requests): completion
+    tokens summed, and the prompt tokens served from the prefix cache
+    (`prompt_tokens_details.cached_tokens`; the prompt's samples share one prefill)."""
+    usages = [h.usage() for h in handles]
+    completion = sum(u.selected_tokens for u in usages)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": max(u.cached_tokens for u in usages)}}
 
 
 def _json(obj: Any) -> str:
@@ -432,7 +446,9 @@ class Server:
             log.tracked = tracked
             self.registry.add(log)
             log.task = self.spawn(self.pump(log, tracked))
-            return SSEResponse(self.sse(log, -1, tracked),
+            ids = bool(req.stream_options and req.stream_options.include_ids) or (
+                request.headers.get("x-event-ids", "").lower() in ("1", "true"))
+            return SSEResponse(self.sse(log, -1, tracked, ids),
                                headers={"x-request-id": request_id})
         return await self.respond(request, tracked, chat, len(ids))
 
@@ -476,21 +492,18 @@ class Server:
             self.spawn(settle())
             return Response(status_code=499)  # nobody reads it
         self.finish(tracked)
-        choices, completion_tokens = [], 0
+        choices = []
         for i, h in enumerate(handles):
             term = _terminal(h)
             data = term.data if term is not None else {}
             if term is None or term.kind == "failed":
                 return error_response(_failure(data), tracked.request_id)
-            usage = h.usage()
-            completion_tokens += usage.selected_tokens
             choices.append(self._final_choice(h, i, chat, tracked))
         body = {"id": tracked.request_id,
                 "object": "chat.completion" if chat else "text_completion",
                 "created": int(time.time()), "model": self.model_name,
                 "system_fingerprint": self.fingerprint, "choices": choices,
-                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                          "total_tokens": prompt_tokens + completion_tokens}}
+                "usage": usage_object(prompt_tokens, handles)}
         return JSONResponse(body, headers={"x-request-id": tracked.request_id})
 
     def _finish_fields(self, h: Any, tracked: _Tracked) -> dict:
@@ -594,14 +607,12 @@ class Server:
                     except asyncio.TimeoutError:
                         pass
             if log.include_usage:
-                completion = sum(h.usage().selected_tokens for h in log.handles)
                 log.append(_json({
                     "id": log.request_id,
                     "object": "chat.completion.chunk" if log.chat else "text_completion",
                     "created": log.created, "model": self.model_name,
                     "system_fingerprint": self.fingerprint, "choices": [],
-                    "usage": {"prompt_tokens": log.prompt_tokens, "completion_tokens": completion,
-                              "total_tokens": log.prompt_tokens + completion}}))
+                    "usage": usage_object(log.prompt_tokens, log.handles)}))
         except Exception:
             logging.getLogger("serving").exception("stream pump failed for %s", log.request_id)
             for h in log.handles:
@@ -619,16 +630,16 @@ class Server:
                 for h in log.handles:
                     h.cancel()
 
-    async def sse(self, log: ResponseLog, after: int, tracked: _Tracked):
-        """The SSE bytes of `log` after event id `after`; applies the disconnect policy when the
-        last reader leaves before the end."""
+    async def sse(self, log: ResponseLog, after: int, tracked: _Tracked, ids: bool = True):
+        """The SSE bytes of `log` after event id `after` (with `id:` lines when `ids`);
+        applies the disconnect policy when the last reader leaves before the end."""
         log.readers += 1
         try:
             async for i, data in log.follow(after, idle_s=self.keepalive_s):
                 if i is None:  # a comment line keeps proxies from closing an idle stream
                     yield ": keep-alive\n\n"
                 else:
-                    yield f"id: {i}\ndata: {data}\n\n"
+                    yield f"id: {i}\ndata: {data}\n\n" if ids else f"data: {data}\n\n"
         finally:
             log.readers -= 1
             if not log.done and log.readers == 0:

@@ -20,6 +20,11 @@
                                                  engine only, LLM.speculative_stats())
     jaxdecode_spec_accepted_tokens_total         counter: proposed tokens the target accepted
     jaxdecode_spec_rounds_total                  counter: verify rounds of a request's row
+    jaxdecode_prefix_cache_queries_total         counter: prompt tokens looked up in the prefix
+                                                 cache (LLM.kv_stats())
+    jaxdecode_prefix_cache_hits_total            counter: prompt tokens served from it
+    jaxdecode_kv_pages_used                      gauge: KV pages held by requests
+    jaxdecode_kv_pages_total                     gauge: KV pages of the budget
 """
 
 from __future__ import annotations
@@ -54,6 +59,17 @@ class _EngineCollector:
         yield CounterMetricFamily("jaxdecode_compilations",
                                   "XLA compilations of jaxdecode's jitted functions.",
                                   value=compilation_count())
+        kv = self.llm.kv_stats()
+        yield CounterMetricFamily("jaxdecode_prefix_cache_queries",
+                                  "Prompt tokens looked up in the prefix cache.",
+                                  value=kv["prefix_cache_queries"])
+        yield CounterMetricFamily("jaxdecode_prefix_cache_hits",
+                                  "Prompt tokens served from the prefix cache.",
+                                  value=kv["prefix_cache_hits"])
+        yield GaugeMetricFamily("jaxdecode_kv_pages_used", "KV pages held by requests.",
+                                value=kv["pages_used"])
+        yield GaugeMetricFamily("jaxdecode_kv_pages_total", "KV pages of the budget.",
+                                value=kv["pages_total"])
         if self.speculative:
             stats = self.llm.speculative_stats()
             for name, key, doc in (("proposed_tokens", "proposed", "Draft tokens proposed."),

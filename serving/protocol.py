@@ -98,6 +98,7 @@ class _Model(BaseModel):
 
 class StreamOptions(_Model):
     include_usage: Optional[bool] = None
+    include_ids: Optional[bool] = None  # extension: SSE `id:` lines (resumable streams)
 
 
 class _Common(_Model):

@@ -34,6 +34,36 @@ LIMIT_FLAGS = (
      "(default 20000; 400 above it)"))
 
 
+def kv_options(args: Any, model: Any, params: Any, speculative: Optional[dict]) -> dict:
+    """The engine's KV options from --page-size, --prefill-chunk, --kv-cache-memory and
+    --no-prefix-cache: the memory budget in bytes becomes a number of pages (keys and values
+    of every layer, the draft's too; ValueError naming kv_cache_memory when it holds none)."""
+    from jaxdecode.model_api import params_dtype
+
+    page_size = args.page_size
+    options = {"page_size": page_size, "prefix_cache": not args.no_prefix_cache,
+               "prefill_chunk": None if args.prefill_chunk == 0 else args.prefill_chunk}
+    if args.kv_cache_memory is not None:
+        per_page = kv_page_bytes(model, params_dtype(params), page_size)
+        draft = (speculative or {}).get("draft")
+        if isinstance(draft, tuple):
+            per_page += kv_page_bytes(draft[0], params_dtype(draft[1]), page_size)
+        pages = args.kv_cache_memory // per_page
+        if pages < 1:
+            raise ValueError(f"kv_cache_memory: {args.kv_cache_memory} bytes hold no page of "
+                             f"{per_page} bytes")
+        options["kv_pages"] = int(pages)
+    return options
+
+
+def kv_page_bytes(model: Any, dtype: Any, page_size: int) -> int:
+    """Bytes of one KV page: keys and values of every layer and kv head."""
+    import numpy as np
+
+    c = model.config
+    return 2 * c.num_layers * c.num_kv_heads * page_size * c.head_dim * np.dtype(dtype).itemsize
+
+
 def serve_app(app: Any, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
               access_log: bool = True) -> None:
     """Run `app` with uvicorn in this thread until interrupted (logging left to the caller)."""
@@ -127,9 +157,11 @@ def main(args: Any) -> int:
     names = [flag[2:].replace("-", "_") for flag, _, _ in LIMIT_FLAGS]
     limits = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
     try:
+        kv = kv_options(args, model, params, speculative)
         llm = LLM(model, params, tokenizer, max_slots=args.max_slots, max_len=max_len,
                   max_queue=args.max_queue, model_source=args.model, mesh=mesh,
-                  speculative=speculative, step_hook=hook, params_hash=params_hash, **limits)
+                  speculative=speculative, step_hook=hook, params_hash=params_hash, **limits,
+                  **kv)
     except ValueError as e:  # on every process: a follower never waits for a failed leader
         raise flag_error(e)
     if distributed and jax.process_index() != 0:  # built only to check the flags
@@ -176,6 +208,16 @@ def add_arguments(p: Any) -> None:
                    help="admission queue bound; a full queue answers 429")
     for flag, kind, text in LIMIT_FLAGS:  # unset: the engine's defaults (jd.LLM options)
         p.add_argument(flag, type=kind, default=None, help=text)
+    p.add_argument("--page-size", type=int, default=16,
+                   help="positions per KV page (divides --prefill-chunk; default 16)")
+    p.add_argument("--prefill-chunk", type=int, default=256,
+                   help="prompt tokens prefilled per engine iteration, in page-aligned chunks "
+                        "(0: whole prompts; default 256)")
+    p.add_argument("--kv-cache-memory", type=int, default=None, metavar="BYTES",
+                   help="the KV cache's memory budget in bytes, as pages (default: "
+                        "--max-slots rows of --max-len positions)")
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="turn automatic prefix caching off (on by default)")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' (also $JAXDECODE_API_KEY); "
                         "/health stays open")

@@ -157,6 +157,15 @@ def ending_tokens(model: Any, tokenizer: Any, eos_token_ids: Optional[Sequence[i
     return tuple(eos_token_ids)
 
 
+def link_samples(requests: list) -> None:
+    """`LLM.generate`: sample i >= 1 of a sampled prompt shares sample 0's prompt pages."""
+    first: dict = {}
+    for r in requests:
+        if not r.is_beam:
+            lead = first.setdefault(r.prompt_index, r)
+            r.share_with = lead if lead is not r else None
+
+
 def per_prompt(params: Any, prompts: list) -> list:
     """`LLM.generate`'s settings: one SamplingParams for every prompt, or one per prompt."""
     if isinstance(params, (list, tuple)):

@@ -35,6 +35,7 @@ from jaxdecode.device import constraints, decode
 from jaxdecode.device.state import RowParams
 from jaxdecode.engine import admission, beam_lane, faults, step_ops
 from jaxdecode.engine.output import Dispatched, OutputProcessor
+from jaxdecode.engine.pages import PagePool
 from jaxdecode.engine.request import Request
 from jaxdecode.engine.scheduler import Scheduler
 from jaxdecode.types import ErrorCode, RequestState
@@ -63,6 +64,19 @@ class EngineCore:
         self._admitting: list = []           # the batch being placed (suspects of a failure)
         self._jobs: collections.deque = collections.deque()
         self._thread: Optional[threading.Thread] = None
+
+    @classmethod
+    def build(cls, ctx: step_ops.Context, kv: admission.KVLayout, max_queue: int,
+              limits: admission.EngineLimits, namespace: Callable[[], str], **options: Any
+              ) -> tuple[Scheduler, "EngineCore"]:
+        """The scheduler over this context's page pool and the engine core that runs it;
+        `namespace()` keys the prefix cache (the model snapshot)."""
+        spec = ctx.spec
+        scheduler = Scheduler(ctx.max_slots, ctx.max_len, max_queue,
+                              PagePool(kv.pages, kv.page_size, kv.prefix_cache), kv.chunk,
+                              0 if spec is None else spec.k + 1, namespace,
+                              prefill_last=spec is None)
+        return scheduler, cls(ctx, scheduler, limits, **options)
 
     def _stepped(self) -> None:
         self.degraded = None  # a step succeeded

@@ -12,7 +12,6 @@ under the back-pressure policy.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 from jaxdecode import replay as replay_lib
@@ -20,13 +19,12 @@ from jaxdecode.config import MAX_LOGPROBS, SamplingParams
 from jaxdecode.device import constraints, research
 from jaxdecode.engine import admission, beam_lane, records, step_ops
 from jaxdecode.engine.core import EngineCore
-from jaxdecode.engine.pages import PagePool
 from jaxdecode.engine.request import Request, RequestHandle
-from jaxdecode.engine.scheduler import EngineClosed, QueueFull, Scheduler
+from jaxdecode.engine.scheduler import EngineClosed, QueueFull
 from jaxdecode.engine.speculative import SpeculativeConfig
 from jaxdecode.model_api import DecoderModel
 from jaxdecode.prompts import token_rows
-from jaxdecode.types import Completion, ErrorCode, FinishReason, RequestState
+from jaxdecode.types import Completion, RequestState
 
 __all__ = ["EngineClosed", "LLM", "QueueFull", "RequestHandle"]
 
@@ -70,25 +68,25 @@ class LLM:
             speculative=spec)
         self.kv = admission.KVLayout.check(max_slots, max_len, kv_pages, page_size,
                                            prefill_chunk, prefix_cache)
-        self._scheduler = Scheduler(
-            max_slots, max_len, max_queue, PagePool(self.kv.pages, page_size, prefix_cache),
-            self.kv.chunk, 0 if spec is None else spec.k + 1, lambda: self.model_snapshot,
-            prefill_last=spec is None)
         # every device call is a step op, published to step_hook first (serving/distributed.py)
         ctx = step_ops.Context(model, params, max_slots, max_len, self.eos_token_ids, mesh,
                                replicate_outputs=step_hook is not None, tokenizer=tokenizer,
                                spec=spec, research=self._research, pages=self.kv.pages,
                                page_size=page_size)
-        self._core = EngineCore(ctx, self._scheduler, self.limits, logprobs_k=self.logprobs_k,
-                                step_hook=step_hook,
-                                stateful_processors=any(p.stateful for p in processors or ()))
+        self._scheduler, self._core = EngineCore.build(
+            ctx, self.kv, max_queue, self.limits, lambda: self.model_snapshot,
+            logprobs_k=self.logprobs_k, step_hook=step_hook,
+            stateful_processors=any(p.stateful for p in processors or ()))
         self._records = records.Records(
             model, params, tokenizer, model_source=model_source, max_slots=max_slots,
-            max_len=max_len, params_hash=params_hash,
+            max_len=max_len, params_hash=params_hash, kv=self.kv,
             processor_order=None if self._research is None else self._research.processor_order)
         self._spec, self.step_hook = spec, step_hook
 
     # -- requests -------------------------------------------------------------------------------
+
+    def _handle(self, r: Request) -> RequestHandle:
+        return RequestHandle(r, self._scheduler.wake, self._records.record)
 
     def _enqueue(self, reqs: list, block: bool) -> None:
         def queued(r: Request) -> None:
@@ -107,7 +105,7 @@ class LLM:
         true (polled meanwhile) abandons it with a ValueError naming response_format."""
         r = self._admission.request(prompt, params, request_id, cancelled=cancelled)
         self._enqueue([r], block)
-        return RequestHandle(r, self)
+        return self._handle(r)
 
     def submit_beams(self, prompt: Prompt, params: SamplingParams, *,
                      request_id: Optional[str] = None, block: bool = False,
@@ -123,7 +121,7 @@ class LLM:
                                         cancelled=cancelled) for j in range(params.n)]
         beam_lane.link_rows(reqs)
         self._enqueue(reqs, block)
-        return [RequestHandle(r, self) for r in reqs]
+        return [self._handle(r) for r in reqs]
 
     def stream(self, prompt: Prompt, params: Optional[SamplingParams] = None,
                timeout: Optional[float] = None) -> Iterator:
@@ -146,8 +144,9 @@ class LLM:
                 for i, (p, sp) in enumerate(zip(prompts, admission.per_prompt(params, prompts)))
                 for j in range(sp.n)]
         beam_lane.link_rows(reqs)  # a beam prompt's n requests are its n best beams
+        admission.link_samples(reqs)  # a sampled prompt's n requests share its prompt pages
         self._enqueue(reqs, block=True)  # validated all before queueing any
-        handles = [RequestHandle(r, self) for r in reqs]
+        handles = [self._handle(r) for r in reqs]
         if not use_tqdm:
             return [h.result() for h in handles]
         from tqdm.auto import tqdm
@@ -157,13 +156,9 @@ class LLM:
 
     def run_record(self, record: replay_lib.GenerationRecord) -> Completion:
         """Run a record's request again: same prompt ids, settings, seed and sample index."""
-        sp = dataclasses.replace(record.sampling, seed=record.data["rng"]["seed"])
-        r = self._admission.request(record.prompt_ids, sp,
-                                    index=record.data["rng"]["sample_index"],
-                                    output_kind="final_only")
-        r.prompt_text = record.data["prompt"]["text"]
+        r = records.request_of(self._admission, record)
         self._enqueue([r], block=True)
-        return RequestHandle(r, self).result()
+        return self._handle(r).result()
 
     # -- pause, save, restore (SPEC B1, records.py) ---------------------------------------------
 
@@ -179,7 +174,7 @@ class LLM:
         records.check_saveable(self._research, self._spec)
         r = records.restore_request(self._admission, path, self.params_hash)
         self._enqueue([r], block=True)
-        return RequestHandle(r, self)
+        return self._handle(r)
 
     # -- the engine -------------------------------------------------------------------------------
 
@@ -192,9 +187,6 @@ class LLM:
             self.step_hook.publish(op)
         return step_ops.warmup_shapes(self._core.ctx, max_prompt_len, self.logprobs_k,
                                       self.kv.chunk)
-
-    def wake(self) -> None:
-        self._scheduler.wake()
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the engine thread; requests still queued or running end CANCELLED."""
@@ -224,6 +216,10 @@ class LLM:
             raise ValueError("speculative: this engine was built without speculative=")
         return self._core.backend.stats()
 
+    def kv_stats(self) -> dict:
+        """KV pages (total, used) and prefix-cache counters in tokens (pages.PagePool.stats)."""
+        return self._scheduler.pool.stats()
+
     @property
     def num_waiting(self) -> int:
         return self._scheduler.num_waiting
@@ -250,7 +246,3 @@ class LLM:
     def processor_order(self) -> Optional[tuple]:
         """The processing stages with the engine's custom processors (None without them)."""
         return self._records.processor_order
-
-    def record(self, r: Request, finish: Optional[FinishReason],
-               error: Optional[ErrorCode]) -> replay_lib.GenerationRecord:
-        return self._records.record(r, finish, error)

@@ -62,6 +62,12 @@ class PagePool:
         """Pages held by requests (cached pages nobody references are free to take)."""
         return self.num_pages - len(self.free) - len(self.idle)
 
+    def stats(self) -> dict:
+        """pages_total, pages_used (held by requests), prefix_cache_queries (prompt tokens
+        looked up) and prefix_cache_hits (served from the cache)."""
+        return {"pages_total": self.num_pages, "pages_used": self.used,
+                "prefix_cache_queries": self.queries, "prefix_cache_hits": self.hits}
+
     def available(self) -> int:
         return len(self.free) + len(self.idle)
 

@@ -58,9 +58,10 @@ class Records:
 
     def __init__(self, model: Any, params: Any, tokenizer: Any, *, model_source: Optional[str],
                  max_slots: int, max_len: int, processor_order: Optional[tuple] = None,
-                 params_hash: Optional[str] = None):
+                 params_hash: Optional[str] = None, kv: Optional[Any] = None):
         self.model, self.params, self.tokenizer = model, params, tokenizer
         self.model_source, self.max_slots, self.max_len = model_source, max_slots, max_len
+        self.kv = kv  # admission.KVLayout: pages, page size, prefill chunk, prefix cache
         self.processor_order = processor_order
         self._hashes: dict = {} if params_hash is None else {"params": params_hash}
 
@@ -89,7 +90,10 @@ class Records:
             prompt_text=r.prompt_text, prompt_ids=r.prompt_ids, sampling=r.sampling,
             seed=r.seed, key_data=r.key_data, sample_index=r.index,
             layout={"engine": "LLM", "max_slots": self.max_slots, "max_len": self.max_len,
-                    "prompt_bucket": decode.bucket(len(r.prompt_ids), self.max_len)},
+                    "prompt_bucket": decode.bucket(len(r.prompt_ids), self.max_len),
+                    **({} if self.kv is None else {
+                        "page_size": self.kv.page_size, "prefill_chunk": self.kv.chunk,
+                        "prefix_cache": self.kv.prefix_cache})},
             batch_invariance=numerics.guarantee(self.model, jax.default_backend()),
             detokenizer_mode=r.pipeline.detokenizer.mode, token_ids=r.token_ids,
             text=r.pipeline.text, finish_reason=finish.value if finish else None,
@@ -186,3 +190,13 @@ def check_saveable(research: Any, spec: Any) -> None:
         raise ValueError("processors: save / restore is not supported with processors=")
     if spec is not None:
         raise ValueError("speculative: save / restore is not supported with speculative=")
+
+
+def request_of(admission: Any, record: replay_lib.GenerationRecord) -> Request:
+    """`LLM.run_record`: a record's request again -- its prompt ids, settings, seed and sample
+    index (checked like a new one)."""
+    sp = dataclasses.replace(record.sampling, seed=record.data["rng"]["seed"])
+    r = admission.request(record.prompt_ids, sp, index=record.data["rng"]["sample_index"],
+                          output_kind="final_only")
+    r.prompt_text = record.data["prompt"]["text"]
+    return r

@@ -121,8 +121,11 @@ def logprob_entry(r: Request, token: int, logprob: Any, top_ids: Any,
 class RequestHandle:
     """A submitted request as its user sees it: events, trace, cancellation, result."""
 
-    def __init__(self, request: Request, engine: Any):
-        self._request, self._engine = request, engine
+    def __init__(self, request: Request, wake: Callable[[], None],
+                 record: Callable[..., Any]):
+        """`wake()` nudges the engine thread; `record(request, finish, error)` builds the
+        request's generation record (records.py)."""
+        self._request, self._wake, self._record = request, wake, record
 
     @property
     def request_id(self) -> str:
@@ -203,7 +206,7 @@ class RequestHandle:
     def cancel(self) -> None:
         """Ask for cancellation; returns at once, idempotent, a no-op once ended (SPEC C4)."""
         if self._request.lifecycle.request_cancel():
-            self._engine.wake()
+            self._wake()
 
     def pause(self) -> None:
         """Stop scheduling this request's steps; its state stays exactly as it is (SPEC B1).
@@ -211,12 +214,12 @@ class RequestHandle:
         self._request.settled.clear()
         self._request.user_paused = True
         self._request.lifecycle.record("paused")
-        self._engine.wake()
+        self._wake()
 
     def resume(self) -> None:
         self._request.user_paused = False
         self._request.lifecycle.record("resumed")
-        self._engine.wake()
+        self._wake()
 
     # -- results --------------------------------------------------------------------------------
 
@@ -246,7 +249,7 @@ class RequestHandle:
         return Completion(
             request_id=r.request_id, text=r.pipeline.text, token_ids=tuple(r.token_ids),
             finish_reason=finish, error=error, usage=r.usage(), events=tuple(r.lifecycle.events),
-            record=self._engine.record(r, finish, error), prompt_index=r.prompt_index,
+            record=self._record(r, finish, error), prompt_index=r.prompt_index,
             index=r.index, state=r.lifecycle.state, timings=r.timings(), score=r.score,
             logprobs=r.returned_logprobs())
 
