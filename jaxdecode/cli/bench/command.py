@@ -50,8 +50,11 @@ def bench_arguments(b) -> None:
     b.add_argument("--quick", action="store_true", help="a smoke run in well under 2 minutes")
     b.add_argument("--serve", action="store_true",
                    help="instead: the HTTP load test (serving/loadtest.py) -- streaming requests "
-                        "against `jaxdecode serve` at several concurrency levels")
-    _add_loadtest_arguments(b.add_argument_group("load test (with --serve)"))
+                        "against `jaxdecode serve` (started with --warmup and every "
+                        "--server-arg) or any OpenAI-compatible --url, at several concurrency "
+                        "levels, with the metrics of `vllm bench serve`")
+    _add_loadtest_arguments(b.add_argument_group(
+        "load test (with --serve; workloads, --request-rate and the metrics: docs/serving.md)"))
 
 
 def _add_loadtest_arguments(p) -> None:
