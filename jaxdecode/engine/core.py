@@ -70,10 +70,12 @@ class EngineCore:
     # -- the thread -----------------------------------------------------------------------------
 
     def ensure_thread(self) -> None:
-        """Start the engine thread unless it runs (under the queue's lock: two callers never
-        start two threads, and `is_alive` is true once `start` returns)."""
+        """Start the engine thread unless it runs or the engine is closed (under the queue's
+        lock: two callers never start two threads, and `is_alive` is true once `start`
+        returns)."""
         with self.scheduler.cond:
-            if self._thread is None or not self._thread.is_alive():
+            if not self.scheduler.closed and (self._thread is None
+                                              or not self._thread.is_alive()):
                 self._thread = threading.Thread(target=self._run, name="jaxdecode-engine",
                                                 daemon=True)
                 self._thread.start()
