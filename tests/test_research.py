@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import jaxdecode as jd
+from jaxdecode.device import research
 from tests.scripted import Bigram
 from tests.test_decode import greedy, tiny  # noqa: F401  (tiny: a pytest fixture)
 from tests.test_speculative import chi_square_pvalue, two_token_distribution
@@ -214,7 +215,7 @@ def test_positions_see_their_stage_of_the_pipeline(tiny):
     model, params = tiny
     v = model.config.vocab_size
     procs = [jd.LogitProcessor(record_input, pos, init_state=np.zeros(v, np.float32))
-             for pos in jd.research.POSITIONS]
+             for pos in research.POSITIONS]
     sp = jd.SamplingParams(seed=0, temperature=0.5, top_k=3, logit_bias={4: 1.5},
                            max_tokens=4)
     out = jd.generate(model, params, PROMPTS, sp, processors=procs, return_logits=True)
@@ -242,7 +243,7 @@ def test_identity_processors_and_empty_options_change_nothing(tiny):
     base = jd.generate(model, params, PROMPTS, rows)
     same = [jd.generate(model, params, PROMPTS, rows, processors=[]),
             jd.generate(model, params, PROMPTS, rows, processors=[
-                jd.LogitProcessor(identity, pos) for pos in jd.research.POSITIONS]),
+                jd.LogitProcessor(identity, pos) for pos in research.POSITIONS]),
             jd.generate(model, params, PROMPTS, rows, return_scores=True)]
     for out in same:
         np.testing.assert_array_equal(out.token_ids, base.token_ids)

@@ -435,12 +435,13 @@ def _drive(config: StepConfig, params: Any, state: StepState, n: int, trace: boo
            setup: Optional[research_lib.Setup]):
     """Run the steps with either driver. Returns (final state, host buffers (tokens, logprob,
     top ids, top logprobs) [B, M, ...], research extras)."""
-    args = None if setup is None else setup.args
     if trace:
         with contextlib.nullcontext() if setup is None else setup.callback_scope():
+            args = None if setup is None else setup.args  # the scope sets the callback id
             state, bufs, extra = _generate_loop(LoopConfig(config, bucket(n)), params, state,
                                                 args)
-        return state, tuple(np.asarray(x) for x in bufs), extra
+            return state, tuple(np.asarray(x) for x in bufs), extra
+    args = None if setup is None else setup.args
     outs = []
     for state, out in iterate(config, params, state, n, args):
         if setup is not None:

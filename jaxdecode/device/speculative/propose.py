@@ -72,7 +72,7 @@ def with_draft(config: RoundConfig, dparams: Any, s: SpecState, live: Array):
     d int32[B, k], their processed draft log-probabilities lq f32[B, k, V] and the draft cache
     after writing d_1 .. d_{k-1} -- each with a leading branch axis when num_branches > 1."""
     k, nb, draft = config.k, config.num_branches, config.draft
-    b = s.counts.shape[0]
+    b, v = s.counts.shape
     rows, tables, step, length = s.rows, s.grammar, s.step, s.length
     logit, dcache = _first_draft_logits(config, dparams, s, live)
     lq_1 = process(s, logit, s.counts, s.seen, step, s.grammar_state)
@@ -99,7 +99,7 @@ def with_draft(config: RoundConfig, dparams: Any, s: SpecState, live: Array):
         carry = (d_1, *advance(d_1, s.counts, s.seen, s.grammar_state), dcache)
         carry, (ds, lqs) = jax.lax.scan(draft_step, carry, jnp.arange(1, k, dtype=jnp.int32))
         d = jnp.concatenate([d_1[:, None], ds.T.reshape(b, k - 1)], 1)
-        lq = jnp.concatenate([lq_1[:, None], lqs.transpose(1, 0, 2).reshape(b, k - 1, -1)], 1)
+        lq = jnp.concatenate([lq_1[:, None], lqs.transpose(1, 0, 2).reshape(b, k - 1, v)], 1)
         return d, lq, carry[-1]
 
     return branched(continue_branch, nb)(d_1)
