@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import re
 
 import numpy as np
 import jax
@@ -169,7 +170,8 @@ def test_prefix_cache_on_equals_off_speculative(demo):
     for cache in (True, False):
         with jd.LLM(model, params, tok, max_slots=4, max_len=256, prefill_chunk=32,
                     prefix_cache=cache, speculative={"draft": (draft, dparams), "k": 3}) as llm:
-            outs.append([c.token_ids for c in llm.generate(prompts, sp) + llm.generate(prompts, sp)])
+            twice = llm.generate(prompts, sp) + llm.generate(prompts, sp)
+            outs.append([c.token_ids for c in twice])
             hits = llm.kv_stats()["prefix_cache_hits"]
         assert (hits > 0) == cache
     assert outs[0] == outs[1]
@@ -293,3 +295,41 @@ def test_bad_page_settings_name_the_setting(bigram):
     with jd.LLM(model, {}, tok, max_len=64) as llm:
         with pytest.raises(ValueError, match="prompt: 64 tokens leave no room"):
             llm.submit([5] * 64)
+
+
+def test_samples_whose_first_ends_while_prefilling_still_end(bigram):
+    """The request that prefills for its prompt's samples hits its deadline mid-prefill: the
+    samples go back to the queue and end on their own (nothing hangs, no slot leaks)."""
+    model, tok = bigram
+    model = Bigram(dataclasses.replace(model.config, max_len=256), model.table)
+    sp = jd.SamplingParams(max_tokens=4, n=3, deadline_s=0.05, utf8_errors="replace")
+    with jd.LLM(model, {}, tok, max_slots=4, max_len=256, prefill_chunk=16) as llm:
+        out = llm.generate([[9] * 200], sp)
+        assert llm.num_running == 0 and llm.kv_stats()["pages_used"] == 0
+    assert [c.finish_reason for c in out] == [jd.FinishReason.DEADLINE_EXCEEDED] * 3
+
+
+def test_a_new_constraint_arriving_while_another_decodes_changes_neither(bigram):
+    """S-constraints with chunked prefill: a request with a second grammar is placed in a slot
+    (and prefills in chunks) while a constrained stream decodes. The tables grow; the running
+    stream's state is rebased, the newcomer's is set at insert; each gets its tokens alone."""
+    model, tok = bigram
+    digits = jd.SamplingParams(max_tokens=30, temperature=1.0, seed=4, utf8_errors="replace",
+                               response_format={"type": "regex", "pattern": "[0-9]{20,30}"})
+    words = jd.SamplingParams(max_tokens=12, temperature=1.0, seed=5, utf8_errors="replace",
+                              response_format={"type": "regex", "pattern": "(ab|cd)+x"})
+    late_prompt = [9] * 40
+    with jd.LLM(model, {}, tok, max_slots=2, max_len=64, prefill_chunk=16) as llm:
+        alone = [llm.generate([[5, 6]], digits)[0].token_ids,
+                 llm.generate([late_prompt], words)[0].token_ids]
+    with jd.LLM(model, {}, tok, max_slots=2, max_len=64, prefill_chunk=16) as llm:
+        runner = llm.submit([5, 6], digits)
+        while runner.selected < 3:
+            pass
+        late = llm.submit(late_prompt, words)
+        got = [late.result(timeout=60).token_ids, runner.result(timeout=60).token_ids]
+        faults = [e for h in (runner, late) for e in h.trace() if e.kind == "engine.fault"]
+    assert faults == []  # not even one recovered from
+    assert [list(t) for t in got[::-1]] == [list(t) for t in alone]
+    assert re.fullmatch("[0-9]{20,30}", tok.decode(list(alone[0])))
+    assert re.fullmatch("(ab|cd)+x", tok.decode(list(alone[1])))

@@ -276,7 +276,7 @@ def test_issue_12_reproductions_get_400s_at_once_and_hurt_no_bystander(url):
 def test_raw_sse_ids_increase_done_is_last_and_resume_with_last_event_id(url):
     body = {"model": "demo", "prompt": PROMPT, "max_tokens": 10, "temperature": 0,
             "stream": True}
-    with httpx.Client(base_url=url, timeout=60) as c:
+    with httpx.Client(base_url=url, timeout=60, headers={"X-Event-Ids": "true"}) as c:
         with c.stream("POST", "/v1/completions", json=body) as r:
             assert r.status_code == 200
             rid = r.headers["x-request-id"]

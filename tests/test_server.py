@@ -100,7 +100,9 @@ def control():
 
 @pytest.fixture
 def client(server):
-    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"},
+    # Streams carry SSE ids only on request (T1 resumable streams); these tests ask for them.
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}",
+                                                    "X-Event-Ids": "true"},
                       timeout=30) as c:
         yield c
 
@@ -194,6 +196,21 @@ def test_openai_client_completions_chat_and_streaming(server):
 
 # -- SSE framing, T1 ----------------------------------------------------------------------------
 
+def test_stream_T1_ids_only_when_asked_so_plain_openai_clients_see_plain_data(server):
+    """Clients that split on `data:` alone (vLLM's bench, many SDKs) get no `id:` lines;
+    `stream_options.include_ids` or `X-Event-Ids: true` turn them on."""
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 4, "stream": True}
+    auth = {"Authorization": f"Bearer {KEY}"}
+    with httpx.Client(base_url=server.url, headers=auth, timeout=30) as plain:
+        _, events = stream_all(plain, "/v1/completions", body)
+        assert events and all(i is None for i, _ in events)
+        _, events = stream_all(plain, "/v1/completions",
+                               {**body, "stream_options": {"include_ids": True}})
+        assert [i for i, _ in events if i is not None] and events[-1][1] == "[DONE]"
+        _, events = stream_all(plain, "/v1/completions", body, headers={"X-Event-Ids": "true"})
+        assert all(i is not None for i, d in events if d != "[DONE]")
+
+
 def test_stream_T1_sse_ids_strictly_increase_and_done_is_last(client, server):
     r, events = stream_all(client, "/v1/completions",
                            {"model": MODEL, "prompt": "Hi", "max_tokens": 12, "stream": True})
@@ -262,7 +279,8 @@ def test_stream_include_usage_one_final_chunk(client):
     assert len(with_usage) == 1 and with_usage[0] is chunks[-1]
     assert chunks[-1]["choices"] == []
     assert chunks[-1]["usage"] == {"prompt_tokens": len(CHAT_HI), "completion_tokens": 3,
-                                   "total_tokens": len(CHAT_HI) + 3}
+                                   "total_tokens": len(CHAT_HI) + 3,
+                                   "prompt_tokens_details": {"cached_tokens": 0}}
     assert all("usage" in ch and ch["usage"] is None for ch in chunks[:-1])
     assert events[-1][1] == "[DONE]"
 
@@ -294,7 +312,8 @@ def test_stream_T4_T5_reconnect_after_a_drop_continues_without_duplicates(llm):
     gets the rest, each event once, in order."""
     app = create_app(llm, model_name=MODEL, on_disconnect="continue")
     CONTROL["delay"] = 0.01
-    with ServerThread(app) as srv, httpx.Client(base_url=srv.url, timeout=30) as c:
+    with ServerThread(app) as srv, httpx.Client(base_url=srv.url, timeout=30,
+                                                headers={"X-Event-Ids": "true"}) as c:
         seen = []
         with c.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": "Hi",
                                                        "max_tokens": 30, "stream": True}) as r:

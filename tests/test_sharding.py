@@ -57,6 +57,7 @@ SCRIPT = textwrap.dedent(r"""
             assert [e.token_id for e in done[0].logprobs] == outs[0]
             st = llm._core.state
             return outs, {"k": spec(st.cache.k), "lengths": spec(st.cache.lengths),
+                          "page_table": spec(st.cache.page_table),
                           "last_token": spec(st.last_token)}
 
     out = {"reference": jd.generate(model, params, prompts, greedy).token_ids.tolist(),
@@ -103,8 +104,8 @@ def test_rules_fall_back_to_replicated_1x8(mesh_run):
     p = mesh_run["1x8"]["params"]
     assert p["q"] == [None, "model"] and p["k"] == [None, "model"]  # 32 and 16 split 8 ways
     assert p["gate"] == [] and p["up"] == [] and p["down"] == []     # 36 does not
-    # 4 kv heads over 8 devices: the cache is replicated along heads, batch still on "data"
-    assert mesh_run["1x8"]["state"]["k"] in ([None, "data"], [])
+    # 4 kv heads over 8 devices: the paged pool is replicated along heads
+    assert mesh_run["1x8"]["state"]["k"] == []
 
 
 def test_sharded_generate_matches_unsharded(mesh_run):
@@ -117,8 +118,10 @@ def test_engine_with_mesh_matches_and_shards_the_cache(mesh_run):
     for name in NAMES:
         assert mesh_run[name]["engine"] == mesh_run["engine_reference"], name
     state = mesh_run["2x4"]["state"]
-    assert state["k"] == [None, "data", "model"]      # batch on data, kv heads on model
-    assert state["lengths"] == ["data"]
+    # the engine's paged pool holds no row: kv heads on "model", pages replicated over "data";
+    # the per-row page table and lengths put the batch on "data"
+    assert state["k"] == [None, "model"]
+    assert state["lengths"] == ["data"] and state["page_table"] == ["data"]
 
 
 @pytest.mark.parametrize("model", [

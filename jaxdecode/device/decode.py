@@ -1,4 +1,5 @@
-"""The jitted device core: `prefill`, `decode_step` and the on-device `generate` loop (SPEC §2, §5).
+"""The jitted device core: `prefill`, `decode_step` and the on-device `generate` loop
+(SPEC §2, §5).
 
 One loop body, two drivers: `decode_step` is the body; `generate` runs it inside
 `lax.while_loop` (one dispatch for the whole generation) or, with `trace=False`, from a Python

@@ -4,7 +4,8 @@
    frequency and presence (OpenAI: subtract count * f + [count > 0] * p over output ids),
    then logit_bias
 2. banned ids (carried as -inf in the bias), the min_tokens mask of EOS / stop ids, and the
-   grammar mask of constrained rows (jaxdecode/device/constraints; skipped when no row is constrained)
+   grammar mask of constrained rows (jaxdecode/device/constraints; skipped when no row is
+   constrained)
 3. temperature (0 selects the greedy branch; the division uses 1 there, never 0)
 4. top-k, then top-p, then min-p (HF semantics: ties at the k-th value are kept; top-p keeps the
    smallest set whose mass reaches p; min-p drops tokens below min_p * the top probability)
@@ -12,7 +13,8 @@
 
 Every processor is vectorised over rows with that row's own parameters (SPEC P3), and its sums
 use `numerics` (a row's result never depends on the other rows: docs/batch_invariance.md).
-Selection (step 6) lives in `sampling.py`. User-defined processors (jaxdecode/device/research.py) run
+Selection (step 6) lives in `sampling.py`. User-defined processors
+(jaxdecode/device/research.py) run
 at four named points of this order: "first" (before 1), "after_penalties" (after 2),
 "after_temperature" (after 3) and "last" (after 4, before 5).
 """
@@ -86,7 +88,8 @@ def process(logits: Array, rows: RowParams, counts: Array, seen: Array, step: Ar
 
     Rows with temperature 0 get their penalised and masked logits renormalised; their selection
     is the argmax (`sampling.select`). `grammar` = (GrammarTables, int32[B] states) or None.
-    `custom(position, x) -> x`: user processors at their positions (jaxdecode/device/research.py)."""
+    `custom(position, x) -> x`: user processors at their positions
+    (jaxdecode/device/research.py)."""
     x = logits.astype(jnp.float32)
     if custom is not None:
         x = custom("first", x)
@@ -129,7 +132,8 @@ def process_logits(logits, sampling: Sequence[SamplingParams] | SamplingParams,
     b, v = logits.shape
     sampling = [sampling] * b if isinstance(sampling, SamplingParams) else list(sampling)
     if len(sampling) != b:
-        raise ValueError(f"sampling: expected {b} SamplingParams (one per row), got {len(sampling)}")
+        raise ValueError(f"sampling: expected {b} SamplingParams (one per row), "
+                         f"got {len(sampling)}")
     rows = RowParams.build(sampling, v, keys=np.zeros((b, 2), np.uint32))
     counts, seen = history_arrays(output_ids, b, v)
     step = np.full((b,), np.iinfo(np.int32).max, np.int32)  # min_tokens is satisfied here

@@ -60,8 +60,6 @@ class StepResult:
 
 
 class SlotBackend(Protocol):
-    tokens_per_step: int
-
     def empty_state(self) -> Any: ...
     def chunk(self, state: Any, tokens: np.ndarray, start: int, length: int, table: np.ndarray,
               kv_len: int) -> tuple[Any, Any]: ...
@@ -96,7 +94,6 @@ class _Rows:
     and its followers agree, step_ops.Context)."""
 
     speculative = False
-    tokens_per_step = 1
 
     def __init__(self, model: DecoderModel, params: Any, rows: int, max_len: int,
                  eos_token_ids: Sequence[int], pages: Pages, research: Optional[Any] = None,
@@ -217,7 +214,6 @@ class SpeculativeBackend(_Rows):
     def __init__(self, spec: SpeculativeConfig, *args, **kwargs):
         super().__init__(*args, draft=spec.draft, draft_params=spec.draft_params, **kwargs)
         self.spec = spec
-        self.tokens_per_step = spec.k + 1
         self.totals = dict.fromkeys(COUNTERS, 0)
 
     def step(self, state: Any, kv_len: int, top_k: int) -> tuple[Any, Any]:

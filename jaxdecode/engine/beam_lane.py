@@ -42,13 +42,14 @@ the search's score of the whole hypothesis (a stop cut does not rescore).
 Usage (SPEC §9), as if the request had selected its tokens one by one: selected = kept tokens;
 processed = those the search wrote into the cache (all but the hypothesis' last token);
 returned = the pipeline's count. Cancels and deadlines are observed before the call (queued
-requests: the engine thread's queue sweep); a cancel that arrives during the call discards its result
-(L4, CANCELLED). Results reach the requests through the engine's `OutputSink`
-(output.py), never through engine internals. The deadline is not checked after the call: it cannot stop midway, and its
-result is complete. A call that raises is retried without each half of its rows
-(`faults.find_culprits`): the rows that fail alone end FAILED (`model_error`, the engine's
-`error` records it), the others get their results; the slot state is untouched throughout. Records pin num_beams, length_penalty, early_stopping and n with the
-other settings and the beam rank as `sample_index`, so `jd.replay` reruns the search.
+requests: the engine thread's queue sweep); a cancel that arrives during the call discards its
+result (L4, CANCELLED). Results reach the requests through the engine's `OutputSink`
+(output.py), never through engine internals. The deadline is not checked after the call: it
+cannot stop midway, and its result is complete. A call that raises is retried without each half
+of its rows (`faults.find_culprits`): the rows that fail alone end FAILED (`model_error`, the
+engine's `error` records it), the others get their results; the slot state is untouched
+throughout. Records pin num_beams, length_penalty, early_stopping and n with the other settings
+and the beam rank as `sample_index`, so `jd.replay` reruns the search.
 """
 
 from __future__ import annotations

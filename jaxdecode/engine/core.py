@@ -299,11 +299,12 @@ class EngineCore:
             return None
         bundle = constraints.build_tables(wanted, self.ctx.model.config.vocab_size)
         if bundle is not self.bundle or self.state.grammar_state is None:
-            # rebased on the device (no host read of the state: it may span other hosts)
-            keys = [r.grammar.key if r is not None and r.grammar is not None else None
-                    for r in slots]
-            delta = [bundle.offsets[k] - self.bundle.offsets[k]
-                     if k is not None and self.bundle is not None else 0 for k in keys]
+            # rebased on the device (no host read of the state: it may span other hosts); a
+            # slot still prefilling (its grammar new to the tables) gets its state at insert
+            old = self.bundle.offsets if self.bundle is not None else {}
+            keys = [r.grammar.key if r is not None and r.grammar is not None
+                    and r.grammar.key in old else None for r in slots]
+            delta = [bundle.offsets[k] - old[k] if k is not None else 0 for k in keys]
             self.device(step_ops.grammar(
                 np.array([k is not None for k in keys]), np.array(delta, np.int32),
                 bundle.tables if bundle is not self.bundle else None))
@@ -325,7 +326,7 @@ class EngineCore:
         out = self.device(step_ops.step(plan.kv_len, plan.top_k))
         return Dispatched(out=out, owners=plan.owners, top_k=plan.top_k)
 
-    # -- faults -------------------------------------------------------------------------------------
+    # -- faults -------------------------------------------------------------------------------
 
     def health(self, closed: bool) -> dict:
         """{"status": "ok" | "degraded" | "closed", "reason": ...}."""

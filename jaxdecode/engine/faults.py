@@ -5,7 +5,8 @@ never hurts another").
 tries each half, down to single items, so the items that fail alone are found with
 O(k log n) attempts for k culprits among n. The engine uses it twice:
 
-- slots (`EngineCore.recover`, engine/core.py): after a failed device step every running request is a suspect; an
+- slots (`EngineCore.recover`, engine/core.py): after a failed device step every running
+  request is a suspect; an
   attempt rebuilds the suspects in a fresh state (their prompts and the tokens they already
   selected) and runs one step;
 - the beam lane (`BeamLane.run`): an attempt is the beam-search call itself, so halves that

@@ -22,8 +22,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import threading
-import time
-from typing import Callable, Iterable, Optional
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -276,7 +275,9 @@ class Scheduler:
 
     def free(self, r: Request) -> None:
         """Release `r`'s slot and pages (the device row is marked done before the next
-        step)."""
+        step). A request that ends while it prefills for samples sharing its pages sends them
+        back to the head of the queue (they prefill on their own); a sample that ends leaves
+        its prompt's group."""
         slot = r.slot
         if slot is not None and self.slots[slot] is r:
             self.slots[slot] = None
@@ -285,6 +286,16 @@ class Scheduler:
             self.prefilling.remove(r)
         self.pool.release(r.pages)
         r.pages = []
+        lead = r.share_with
+        if lead is not None and lead.sharers and r in lead.sharers:
+            lead.sharers.remove(r)
+        if r.is_prefilling and r.sharers:
+            for x in r.sharers:
+                self.slots[x.slot] = None
+                self.pool.release(x.pages)
+                x.slot, x.pages, x.is_prefilling, x.share_with = None, [], False, None
+            self.requeue_front(r.sharers)
+            r.sharers = []
 
     def reset(self) -> None:
         """Forget every slot assignment and page (the device state was dropped)."""
@@ -321,8 +332,3 @@ class Scheduler:
         longest = max((kv_needed(r) for r in live), default=1)
         top_k = logprobs_k if any(r.logprobs is not None for r in live) else 0
         return kv_bucket(longest, self.max_len), top_k
-
-    def expired(self, requests: Iterable[Request], now: Optional[float] = None) -> list:
-        """The requests among these whose deadline has passed."""
-        now = time.monotonic() if now is None else now
-        return [r for r in requests if r.deadline is not None and now >= r.deadline]

@@ -9,7 +9,7 @@ import json
 import os
 import sys
 
-from jaxdecode.cli.bench import host, report as report_mod, research, search, structured
+from jaxdecode.cli.bench import host, paged, report as report_mod, research, search, structured
 from jaxdecode.cli.bench import throughput
 from jaxdecode.cli.bench.configs import BENCH_CONFIGS, bench_model, host_model
 from jaxdecode.cli.bench.timing import BenchConfig
@@ -43,6 +43,9 @@ def bench_arguments(b) -> None:
     b.add_argument("--research", action="store_true",
                    help="also the decode step with one trivial custom processor and with the "
                         "capture of one layer's hidden state, against none (issue #16)")
+    b.add_argument("--paged", action="store_true",
+                   help="also the decode step over KV pages against a contiguous cache "
+                        "(issue #15)")
     b.add_argument("--json", help="write the report as JSON")
     b.add_argument("--report", metavar="DIR",
                    help="every section (HF side by side, time to first token, host cost, "
@@ -125,6 +128,10 @@ def _decode_sections(args, cfg: BenchConfig) -> tuple[dict, list]:
             report["research"] = research.time_research(model, params, cfg.batches,
                                                         repeats=max(cfg.repeats, 5))
             text.append(research.format_research_table(report["research"]))
+        if args.paged:
+            report["paged"] = paged.time_paged(model, params, cfg.batches,
+                                               repeats=max(cfg.repeats, 5))
+            text.append(paged.format_paged_table(report["paged"]))
     return report, text
 
 
