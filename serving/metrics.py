@@ -91,7 +91,7 @@ class Metrics:
         usage = handle.usage()
         self.prompt_tokens.inc(len(handle.prompt_ids))
         self.generation_tokens.inc(usage.selected_tokens)
-        times = handle.lifecycle.state_times
+        times = handle.state_times
         queued = times.get(RequestState.QUEUED)
         out: dict = {}
         if queued is not None and RequestState.PREFILLING in times:
