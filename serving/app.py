@@ -580,6 +580,9 @@ class Server:
         for h in log.handles:
             h.add_listener(notify)
         live = list(range(len(log.handles)))
+        # a choice's opening chunk (no text) goes out with its first token or its end, as
+        # vLLM's does: a client timing the first chunk measures the time to the first token
+        opening: dict = {}
         try:
             while live:
                 wake.clear()
@@ -592,6 +595,11 @@ class Server:
                             break
                         moved = True
                         data = self._event_data(log, i, ev, tracked)
+                        if ev.kind == "start":
+                            opening[i] = data
+                            continue
+                        if i in opening:
+                            log.append(opening.pop(i))
                         if data is not None:
                             log.append(data)
                         if ev.kind in TERMINAL_KINDS:

@@ -9,6 +9,7 @@ blocks or fails the model's steps from inside the jitted forward.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 import re
@@ -283,6 +284,28 @@ def test_stream_include_usage_one_final_chunk(client):
                                    "prompt_tokens_details": {"cached_tokens": 0}}
     assert all("usage" in ch and ch["usage"] is None for ch in chunks[:-1])
     assert events[-1][1] == "[DONE]"
+
+
+def test_stream_opening_chunk_arrives_with_the_first_token(client):
+    """A client timing the first chunk (vLLM's `bench serve` does) measures the time to the
+    first token: the text-less opening chunk is held until the first token is out."""
+    gate = CONTROL["gate"] = threading.Event()
+    arrivals: list = []
+
+    def read(path, body):
+        with client.stream("POST", path, json={**body, "max_tokens": 3, "stream": True}) as r:
+            arrivals.extend((time.perf_counter(), d) for _, d in sse(r))
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        done = [pool.submit(read, "/v1/completions", {"model": MODEL, "prompt": "Hi"}),
+                pool.submit(read, "/v1/chat/completions",
+                            {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]})]
+        assert CONTROL["entered"].wait(10)  # the engine is held in the prefill
+        time.sleep(0.3)
+        released = time.perf_counter()
+        gate.set()
+        [f.result(30) for f in done]
+    assert len(arrivals) == 2 * 6 and all(t > released for t, _ in arrivals)
 
 
 # -- resume, T4 ---------------------------------------------------------------------------------
