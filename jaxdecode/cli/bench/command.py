@@ -44,8 +44,9 @@ def bench_arguments(b) -> None:
                    help="also the decode step with one trivial custom processor and with the "
                         "capture of one layer's hidden state, against none (issue #16)")
     b.add_argument("--paged", action="store_true",
-                   help="also the decode step over KV pages against a contiguous cache "
-                        "(issue #15)")
+                   help="also the decode step over KV pages against a contiguous cache, and "
+                        "the ITL of 8 streams while 2048-token prompts arrive, prefill in "
+                        "chunks vs whole (issue #15)")
     b.add_argument("--json", help="write the report as JSON")
     b.add_argument("--report", metavar="DIR",
                    help="every section (HF side by side, time to first token, host cost, "
@@ -170,6 +171,12 @@ def _host_sections(args, cfg: BenchConfig, report: dict, text: list) -> None:
         text += [f"  {r['stops']:>2} stop strings: jaxdecode {r['jaxdecode_us_per_token']:.2f} us"
                  f" | HF DecodeStream + fixed hold-back {r['hf_decodestream_us_per_token']:.2f} us"
                  for r in report["host_cost"]]
+    if args.paged:
+        report["chunked_prefill_itl"] = paged.chunked_prefill_itl(
+            model, params, tokenizer, new_tokens=64 if args.quick else 256,
+            long_len=min(512 if args.quick else 2048, model.config.max_len // 2),
+            chunk=64 if args.quick else 256)
+        text.append(paged.format_itl_table(report["chunked_prefill_itl"]))
     if args.engine:
         report["engine"] = [host.engine_vs_raw(model, params, tokenizer, b, cfg.new_tokens,
                                                repeats=max(cfg.repeats, 5))
@@ -202,7 +209,7 @@ def cmd_bench(args) -> int:
     if (args.report and not args.quick) or args.speculative:
         _demo_sections(args, cfg, report, text)
     report["model_spec"] = args.model
-    if args.host_cost or args.engine:
+    if args.host_cost or args.engine or args.paged:
         _host_sections(args, cfg, report, text)
     report["compiles"] = {"total_in_run": compilation_count() - c0,
                           "after_warmup": [r["jaxdecode"]["compiles_after_warmup"]

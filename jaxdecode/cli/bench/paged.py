@@ -4,9 +4,9 @@ cache (issue #15: within 10%), measured round-robin in one process at each batch
 from __future__ import annotations
 
 import functools
+import time
 from typing import Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -64,4 +64,63 @@ def format_paged_table(report: dict) -> str:
     for row in report["rows"]:
         lines.append(f"| {row['batch']} | {row['kv_len']} | {row['contiguous_step_ms']:.3f} | "
                      f"{row['paged_step_ms']:.3f} ({row['paged_overhead'] * 100:+.1f}%) |")
+    return "\n".join(lines)
+
+
+def chunked_prefill_itl(model, params, tokenizer, streams: int = 8, arrivals: int = 4,
+                        long_len: int = 2048, new_tokens: int = 256, chunk: int = 256) -> dict:
+    """Inter-token latency of `streams` running greedy streams while `arrivals` prompts of
+    `long_len` tokens arrive one after another (issue #15): prefill in chunks of `chunk`
+    against the whole prompt at once. ITLs are the gaps between a stream's selected tokens
+    from the first arrival to the last one's first token."""
+    from jaxdecode.engine import LLM
+
+    rng = np.random.default_rng(0)
+    vocab = model.config.vocab_size
+    short = prompts(streams, 16, vocab, 1)
+    long = [list(rng.integers(3, vocab, long_len)) for _ in range(arrivals + 1)]
+    sp = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True,
+                        utf8_errors="replace")
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, utf8_errors="replace")
+    report: dict = {"machine": machine(), "streams": streams, "arrivals": arrivals,
+                    "long_prompt_len": long_len, "rows": []}
+    for prefill_chunk in (chunk, None):
+        with LLM(model, params, tokenizer, max_slots=streams + 1, max_len=long_len + 64,
+                 prefill_chunk=prefill_chunk, prefix_cache=False) as llm:
+            llm.warmup(16)
+            llm.generate([long[-1]], one)  # compiles the long prompt's programs
+            handles = [llm.submit(p, sp) for p in short]
+            while min(h.selected for h in handles) < 4:
+                time.sleep(0.005)
+            start = _clock(handles)
+            for p in long[:arrivals]:
+                llm.submit(p, one).result(timeout=600)
+            end = _clock(handles)
+            gaps = []
+            for h in handles:
+                times = [e.time for e in h.trace() if e.kind == "token.selected"
+                         and start <= e.time <= end]
+                gaps += list(np.diff(times) * 1e3)
+            for h in handles:
+                h.cancel()
+        assert gaps and max(h.selected for h in handles) < new_tokens, "streams ended early"
+        report["rows"].append({"prefill_chunk": prefill_chunk, "itl_ms_p50": np.median(gaps),
+                               "itl_ms_p99": float(np.percentile(gaps, 99)),
+                               "itl_ms_max": float(np.max(gaps)), "gaps": len(gaps)})
+    return report
+
+
+def _clock(handles) -> float:
+    """The time of the newest event of any of `handles` (the engine's clock)."""
+    return max(h.trace()[-1].time for h in handles)
+
+
+def format_itl_table(report: dict) -> str:
+    lines = [f"ITL of {report['streams']} running streams while {report['arrivals']} prompts of "
+             f"{report['long_prompt_len']} tokens arrive:",
+             "| prefill | ITL p50 ms | ITL p99 ms | max ms |", "|---|---:|---:|---:|"]
+    for row in report["rows"]:
+        how = f"chunks of {row['prefill_chunk']}" if row["prefill_chunk"] else "whole prompt"
+        lines.append(f"| {how} | {row['itl_ms_p50']:.1f} | {row['itl_ms_p99']:.1f} | "
+                     f"{row['itl_ms_max']:.1f} |")
     return "\n".join(lines)
