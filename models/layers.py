@@ -4,7 +4,8 @@ Batch invariance (docs/batch_invariance.md): on XLA:CPU a matrix product's arith
 on its whole shape (a batch of one takes a matrix-vector path; the K-blocking of a GEMM moves
 with its row count) and so does a reduction's. In the cached forward every weight product
 therefore runs on fixed row tiles (`dense` with `ROW_TILE`), attention on fixed key blocks
-(`ATTN_BLOCK`) with per-(row, head, block) batched products, and every sum is `fixed_sum`:
+(`ATTN_BLOCK`) with per-(row, head, block) batched products (elementwise products for a few
+query rows), and every sum is `fixed_sum`:
 a row's logits are the same bits whatever batch, cache length or attention bucket it is in.
 """
 
@@ -27,6 +28,10 @@ Array = jax.Array
 ROW_TILE = 8
 # Keys per attention block: every (row, kv head, block) is one product of fixed shape.
 ATTN_BLOCK = 128
+# Query rows per kv head (T x G, static) up to which attention is elementwise products and
+# fixed sums (`_attention_elementwise`): decode steps and speculative verification, where the
+# per-block products would be thousands of tiny dots.
+ELEMENTWISE_QUERY_ROWS = 8
 
 
 def rms_norm(x: Array, weight: Array, eps: float) -> Array:
@@ -150,7 +155,10 @@ def attention(q: Array, k: Array, v: Array, q_pos: Array, k_pos: Array,
     zero-padded and masked) and the block is a batch axis of both products, so every (row, kv
     head, block) is one product of fixed shape whatever B and S are; the maximum is exact and
     the softmax denominator and the sum over blocks are `fixed_sum`s, to which masked keys and
-    blocks add exact zeros. A longer cache or attention bucket changes no bit of a row.
+    blocks add exact zeros. A longer cache or attention bucket changes no bit of a row. With at
+    most ELEMENTWISE_QUERY_ROWS query rows per kv head (decode, speculative verification) the
+    same holds without products (`_attention_elementwise`); which path runs depends only on the
+    static T and G, never on the batch.
     """
     b, t, h, d = q.shape
     kvh, s = k.shape[1], k.shape[2]
@@ -163,6 +171,8 @@ def attention(q: Array, k: Array, v: Array, q_pos: Array, k_pos: Array,
         k, v = jnp.pad(k, pad), jnp.pad(v, pad)
         k_pos = jnp.pad(k_pos, ((0, 0), (0, nb * ATTN_BLOCK - s)),
                         constant_values=jnp.iinfo(jnp.int32).max)
+    if t * g <= ELEMENTWISE_QUERY_ROWS:
+        return _attention_elementwise(q, k, v, q_pos, k_pos, sliding_window, scale)
     blocks = lambda x: x.reshape(b, kvh, nb, ATTN_BLOCK, d)  # noqa: E731
     # at least 2 query rows: XLA rewrites a product with one row as multiply + reduce, whose
     # order depends on the batch axes (the padding row is dropped below)
@@ -186,6 +196,39 @@ def attention(q: Array, k: Array, v: Array, q_pos: Array, k_pos: Array,
     out = fixed_sum(jnp.einsum("bknqs,bknsd->bknqd", probs, blocks(v)), 2)[:, :, :t * g]
     # a padded query may see nothing: zeros rather than NaN
     out = out.reshape(b, kvh, t, g, d) / jnp.where(total > 0, total, 1.0)[..., None]
+    return out.astype(q.dtype).transpose(0, 2, 1, 3, 4).reshape(b, t, h, d)
+
+
+def _attention_elementwise(q: Array, k: Array, v: Array, q_pos: Array, k_pos: Array,
+                           sliding_window: Optional[int], scale: float) -> Array:
+    """`attention` for a few query rows per kv head, without products: each score is a
+    `fixed_sum` over head_dim of elementwise products, each output a `fixed_sum` over the keys,
+    so a row's bits depend on that row alone and invisible keys add exact zeros. Shapes as in
+    `attention`; the keys are already padded to whole ATTN_BLOCKs: XLA:CPU evaluates `exp` on
+    the ragged tail of a vectorized axis with other code, whose last bit differs, so the key
+    axis is always a multiple of the vector width. The products and the scaled scores are
+    materialized (optimization barriers), so no add is contracted with a multiply into a fused
+    multiply-add whose presence would depend on how XLA fuses a given batch."""
+    b, t, h, d = q.shape
+    kvh, s = k.shape[1], k.shape[2]
+    g = h // kvh
+    f32 = jnp.float32
+    qg = q.reshape(b, t, kvh, g, d).transpose(0, 2, 1, 3, 4).astype(f32)  # [B, KVH, T, G, D]
+    products = jax.lax.optimization_barrier(
+        qg[:, :, :, :, None, :] * k.astype(f32)[:, :, None, None])        # [B, KVH, T, G, S, D]
+    scores = jax.lax.optimization_barrier(fixed_sum(products, -1) * scale)  # [B, KVH, T, G, S]
+    kp = k_pos.reshape(b, 1, 1, 1, s)
+    qp = q_pos.reshape(b, 1, t, 1, 1)
+    visible = kp <= qp
+    if sliding_window is not None:
+        visible &= kp > qp - sliding_window
+    scores = jnp.where(visible, scores, -jnp.inf)
+    top = jnp.max(scores, axis=-1, keepdims=True)
+    probs = jnp.exp(scores - jnp.where(jnp.isfinite(top), top, 0.0))    # masked: exactly 0
+    total = fixed_sum(probs, -1)                                          # [B, KVH, T, G]
+    weighted = jax.lax.optimization_barrier(
+        probs[..., None] * v.astype(f32)[:, :, None, None])              # [B, KVH, T, G, S, D]
+    out = fixed_sum(weighted, 4) / jnp.where(total > 0, total, 1.0)[..., None]
     return out.astype(q.dtype).transpose(0, 2, 1, 3, 4).reshape(b, t, h, d)
 
 
