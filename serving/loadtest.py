@@ -10,9 +10,9 @@ Streaming requests at several concurrency levels (issue #6):
                                [--server-arg=--no-prefix-cache ...] [--json FILE]
     jaxdecode bench --serve ...            (the same flags)
 
-Without `--url` it starts `jaxdecode serve --warmup` (plus every `--server-arg`) as a subprocess
-on a free loopback port, waits for /health, sends a few warm-up requests that are not counted,
-and stops the server at the end. With `--url` it tests any OpenAI-compatible server (vLLM
+Without `--url` it starts the server (`python -m serving --warmup`, the flags of `jaxdecode
+serve`, plus every `--server-arg`) as a subprocess on a free loopback port, waits for /health,
+sends a few warm-up requests that are not counted, and stops the server at the end. With `--url` it tests any OpenAI-compatible server (vLLM
 included): it sends only fields vLLM accepts too, puts `--served-model-name` in the body's
 `model` field when given, and reads /metrics only when the server has one.
 
@@ -447,14 +447,15 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """`jaxdecode serve --warmup` in a subprocess on a free loopback port; its output goes to a
-    temporary log file that `start` quotes when the server dies or never becomes healthy."""
+    """`python -m serving --warmup` (the flags of `jaxdecode serve`) in a subprocess on a free
+    loopback port; its output goes to a temporary log file that `start` quotes when the server
+    dies or never becomes healthy."""
 
     def __init__(self, model: str = "demo", max_slots: int = 8, max_len: int = 512,
                  api_key: Optional[str] = None, extra_args: Sequence[str] = ()):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.argv = [sys.executable, "-m", "jaxdecode.cli", "serve", "--model", model,
+        self.argv = [sys.executable, "-m", "serving", "--model", model,
                      "--port", str(self.port), "--max-slots", str(max_slots),
                      "--max-len", str(max_len), "--warmup", "--log-level", "warning",
                      *(["--api-key", api_key] if api_key else []), *extra_args]

@@ -197,7 +197,11 @@ def main(args: Any) -> int:
 
 
 def add_arguments(p: Any) -> None:
-    """The `serve` subcommand's flags (called by jaxdecode/cli/serve.py)."""
+    """The server's flags, speculative decoding's included: `jaxdecode serve`
+    (jaxdecode/cli/serve.py) and `python -m serving` (serving/__main__.py) take the same."""
+    from serving.loading import add_speculative_arguments
+
+    add_speculative_arguments(p)
     p.add_argument("--model", default="demo", help="a local HF checkpoint directory, or 'demo'")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)

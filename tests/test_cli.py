@@ -91,3 +91,22 @@ def test_cli_serve_limit_flags_are_checked_and_named():
         out = cli("serve", flag, value)
         assert out.returncode != 0 and out.stderr.startswith(flag + ":"), out.stderr
         assert "Traceback" not in out.stderr
+
+
+def test_python_m_serving_takes_the_flags_of_jaxdecode_serve():
+    """The load test starts `python -m serving` (serving never runs the CLI): the same flags,
+    the same defaults, speculative decoding's included."""
+    from jaxdecode.cli import build_parser
+    from serving.__main__ import parse_args
+
+    cli = vars(build_parser().parse_args(["serve"]))
+    for key in ("command", "func"):
+        cli.pop(key)
+    assert vars(parse_args([])) == cli
+    assert "speculative" in cli and "num_speculative_tokens" in cli
+    flags = ["--model", "x", "--max-slots", "3", "--speculative", "prompt_lookup",
+             "--no-prefix-cache"]
+    got = vars(build_parser().parse_args(["serve", *flags]))
+    for key in ("command", "func"):
+        got.pop(key)
+    assert vars(parse_args(flags)) == got

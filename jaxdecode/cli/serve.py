@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from serving.loading import add_speculative_arguments
-
 
 def cmd_serve(args) -> int:
     from serving import server
@@ -14,7 +12,6 @@ def cmd_serve(args) -> int:
 def add_parser(sub) -> None:
     s = sub.add_parser("serve", help="the OpenAI-compatible HTTP server (SSE streaming)")
     _add_serve_arguments(s)
-    add_speculative_arguments(s)
     s.set_defaults(func=cmd_serve)
 
 
