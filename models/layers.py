@@ -182,14 +182,9 @@ def attention(q: Array, k: Array, v: Array, q_pos: Array, k_pos: Array,
     qg = jnp.broadcast_to(qg, (b, kvh, nb, rows, d))
     scores = jnp.einsum("bknqd,bknsd->bknqs", qg, blocks(k),
                         preferred_element_type=jnp.float32)[:, :, :, :t * g] * scale
-    kp = k_pos.reshape(b, 1, nb, 1, 1, ATTN_BLOCK)
-    qp = q_pos.reshape(b, 1, 1, t, 1, 1)
-    visible = kp <= qp
-    if sliding_window is not None:
-        visible &= kp > qp - sliding_window
-    scores = jnp.where(visible, scores.reshape(b, kvh, nb, t, g, ATTN_BLOCK), -jnp.inf)
-    top = jnp.max(scores, axis=(2, 5), keepdims=True)
-    probs = jnp.exp(scores - jnp.where(jnp.isfinite(top), top, 0.0))  # masked: exactly 0
+    probs = _softmax_numerator(scores.reshape(b, kvh, nb, t, g, ATTN_BLOCK),
+                               k_pos.reshape(b, 1, nb, 1, 1, ATTN_BLOCK),
+                               q_pos.reshape(b, 1, 1, t, 1, 1), sliding_window, (2, 5))
     total = fixed_sum(fixed_sum(probs, -1), 2)                          # [B, KVH, T, G]
     probs = probs.reshape(b, kvh, nb, t * g, ATTN_BLOCK).astype(v.dtype)
     probs = jnp.pad(probs, ((0, 0), (0, 0), (0, 0), (0, rows - t * g), (0, 0)))
@@ -197,6 +192,18 @@ def attention(q: Array, k: Array, v: Array, q_pos: Array, k_pos: Array,
     # a padded query may see nothing: zeros rather than NaN
     out = out.reshape(b, kvh, t, g, d) / jnp.where(total > 0, total, 1.0)[..., None]
     return out.astype(q.dtype).transpose(0, 2, 1, 3, 4).reshape(b, t, h, d)
+
+
+def _softmax_numerator(scores: Array, kp: Array, qp: Array, sliding_window: Optional[int],
+                       axes: tuple) -> Array:
+    """exp(score - max over the key `axes`) where the key at position kp is visible from the
+    query at qp (causal, within the window), exactly 0 elsewhere; the maximum is exact."""
+    visible = kp <= qp
+    if sliding_window is not None:
+        visible &= kp > qp - sliding_window
+    scores = jnp.where(visible, scores, -jnp.inf)
+    top = jnp.max(scores, axis=axes, keepdims=True)
+    return jnp.exp(scores - jnp.where(jnp.isfinite(top), top, 0.0))
 
 
 def _attention_elementwise(q: Array, k: Array, v: Array, q_pos: Array, k_pos: Array,
@@ -217,14 +224,8 @@ def _attention_elementwise(q: Array, k: Array, v: Array, q_pos: Array, k_pos: Ar
     products = jax.lax.optimization_barrier(
         qg[:, :, :, :, None, :] * k.astype(f32)[:, :, None, None])        # [B, KVH, T, G, S, D]
     scores = jax.lax.optimization_barrier(fixed_sum(products, -1) * scale)  # [B, KVH, T, G, S]
-    kp = k_pos.reshape(b, 1, 1, 1, s)
-    qp = q_pos.reshape(b, 1, t, 1, 1)
-    visible = kp <= qp
-    if sliding_window is not None:
-        visible &= kp > qp - sliding_window
-    scores = jnp.where(visible, scores, -jnp.inf)
-    top = jnp.max(scores, axis=-1, keepdims=True)
-    probs = jnp.exp(scores - jnp.where(jnp.isfinite(top), top, 0.0))    # masked: exactly 0
+    probs = _softmax_numerator(scores, k_pos.reshape(b, 1, 1, 1, s),
+                               q_pos.reshape(b, 1, t, 1, 1), sliding_window, (4,))
     total = fixed_sum(probs, -1)                                          # [B, KVH, T, G]
     weighted = jax.lax.optimization_barrier(
         probs[..., None] * v.astype(f32)[:, :, None, None])              # [B, KVH, T, G, S, D]

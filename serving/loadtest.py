@@ -12,9 +12,10 @@ Streaming requests at several concurrency levels (issue #6):
 
 Without `--url` it starts the server (`python -m serving --warmup`, the flags of `jaxdecode
 serve`, plus every `--server-arg`) as a subprocess on a free loopback port, waits for /health,
-sends a few warm-up requests that are not counted, and stops the server at the end. With `--url` it tests any OpenAI-compatible server (vLLM
-included): it sends only fields vLLM accepts too, puts `--served-model-name` in the body's
-`model` field when given, and reads /metrics only when the server has one.
+sends a few warm-up requests that are not counted, and stops the server at the end. With
+`--url` it tests any OpenAI-compatible server (vLLM included): it sends only fields vLLM accepts
+too, puts `--served-model-name` in the body's `model` field when given, and reads /metrics
+only when the server has one.
 
 Workloads (every one deterministic given `--seed`; docs/serving.md "Load test"):
 

@@ -201,7 +201,6 @@ def add_arguments(p: Any) -> None:
     (jaxdecode/cli/serve.py) and `python -m serving` (serving/__main__.py) take the same."""
     from serving.loading import add_speculative_arguments
 
-    add_speculative_arguments(p)
     p.add_argument("--model", default="demo", help="a local HF checkpoint directory, or 'demo'")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
@@ -250,3 +249,4 @@ def add_arguments(p: Any) -> None:
                    help="with --distributed: this process's index (default: auto-detected)")
     p.add_argument("--log-level", default="info",
                    choices=("debug", "info", "warning", "error"))
+    add_speculative_arguments(p)

@@ -99,14 +99,12 @@ def test_python_m_serving_takes_the_flags_of_jaxdecode_serve():
     from jaxdecode.cli import build_parser
     from serving.__main__ import parse_args
 
-    cli = vars(build_parser().parse_args(["serve"]))
-    for key in ("command", "func"):
-        cli.pop(key)
-    assert vars(parse_args([])) == cli
-    assert "speculative" in cli and "num_speculative_tokens" in cli
+    def serve(argv):
+        args = vars(build_parser().parse_args(["serve", *argv]))
+        return {k: v for k, v in args.items() if k not in ("command", "func")}
+
+    assert vars(parse_args([])) == serve([])
+    assert "speculative" in serve([]) and "num_speculative_tokens" in serve([])
     flags = ["--model", "x", "--max-slots", "3", "--speculative", "prompt_lookup",
              "--no-prefix-cache"]
-    got = vars(build_parser().parse_args(["serve", *flags]))
-    for key in ("command", "func"):
-        got.pop(key)
-    assert vars(parse_args(flags)) == got
+    assert vars(parse_args(flags)) == serve(flags)
