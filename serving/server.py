@@ -160,8 +160,8 @@ def main(args: Any) -> int:
         kv = kv_options(args, model, params, speculative)
         llm = LLM(model, params, tokenizer, max_slots=args.max_slots, max_len=max_len,
                   max_queue=args.max_queue, model_source=args.model, mesh=mesh,
-                  speculative=speculative, step_hook=hook, params_hash=params_hash, **limits,
-                  **kv)
+                  speculative=speculative, step_hook=hook, params_hash=params_hash,
+                  decode_steps=args.decode_steps, **limits, **kv)
     except ValueError as e:  # on every process: a follower never waits for a failed leader
         raise flag_error(e)
     if distributed and jax.process_index() != 0:  # built only to check the flags
@@ -221,6 +221,9 @@ def add_arguments(p: Any) -> None:
                         "--max-slots rows of --max-len positions)")
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="turn automatic prefix caching off (on by default)")
+    p.add_argument("--decode-steps", type=int, default=1,
+                   help="decode steps per device call while no request waits (jd.LLM's "
+                        "decode_steps; default 1: an arrival waits for one step, not several)")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' (also $JAXDECODE_API_KEY); "
                         "/health stays open")

@@ -224,24 +224,33 @@ def demo_llm():
         yield llm
 
 
-def test_invariance_engine_alone_n3_and_crowded_equal_per_step_generate(demo_llm):
-    """Engine alone, as choice 0 of n=3 and next to other requests: the same tokens and raw
-    log-probabilities as `jd.generate(trace=False)` alone -- the same step program at other
-    shapes (sample 0 of n is the request itself; other max_slots: the engine test above)."""
+@pytest.mark.parametrize("decode_steps", [1, 8])
+def test_invariance_engine_alone_n3_and_crowded_equal_generate(demo_llm, decode_steps):
+    """Engine alone, as choice 0 of n=3 and next to other requests, at 1 and 8 (the default)
+    decode steps per call: the same tokens and raw log-probabilities as `jd.generate` alone --
+    the same loop body at other shapes (sample 0 of n is the request itself; other max_slots:
+    the engine test above)."""
     model, params, tok = _demo()
+    if decode_steps == 1:
+        with jd.LLM(model, params, tok, max_slots=4, max_len=256, decode_steps=1) as llm:
+            _check_engine_equals_generate(llm, model, params, tok)
+    else:
+        _check_engine_equals_generate(demo_llm, model, params, tok)
+
+
+def _check_engine_equals_generate(llm, model, params, tok):
     sp = dataclasses.replace(REPRO, logprobs=1)
-    ids = tok.encode(FIB).ids
-    want = jd.generate(model, params, [ids], sp, trace=False)
-    first = demo_llm.generate([FIB], sp)[0]
+    want = jd.generate(model, params, [tok.encode(FIB).ids], sp)
+    first = llm.generate([FIB], sp)[0]
     assert list(first.token_ids) == want.tokens(0)[:len(first.token_ids)]  # (EOS not shown)
     assert len(first.token_ids) >= want.lengths[0] - 1
     assert np.array_equal([e.logprob for e in first.logprobs],
                           want.logprobs[0, :len(first.logprobs)])
     alone = first.text
-    three = demo_llm.generate([FIB], dataclasses.replace(REPRO, n=3))
+    three = llm.generate([FIB], dataclasses.replace(REPRO, n=3))
     assert three[0].text == alone
     assert len({c.text for c in three}) > 1           # samples 1 and 2 use their own keys
-    crowd = demo_llm.generate(["import os", FIB, "class A:"], REPRO)
+    crowd = llm.generate(["import os", FIB, "class A:"], REPRO)
     assert crowd[1].text == alone
 
 

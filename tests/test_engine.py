@@ -143,7 +143,8 @@ def test_cancel_C2_seed_experiment_B_cancel_while_step_3_in_flight(tok):
     HOOKS["c2"] = hook
     model = HookedModel.make([0] + [byte_id(tok, "q")] * 40, "c2", vocab_size=V,
                              eos_token_ids=(EOS,))
-    with jd.LLM(model, {}, tok, max_slots=2, max_len=64) as llm:
+    # one decode step per call: the experiment's steps are device calls
+    with jd.LLM(model, {}, tok, max_slots=2, max_len=64, decode_steps=1) as llm:
         h = llm.submit(prompt, greedy(30))
         assert entered.wait(30)
         sent_before = "".join(e.data["text"] for e in h.trace() if e.kind == "delta")

@@ -2,10 +2,10 @@
 (SPEC §2, §5).
 
 One loop body, two drivers: `decode_step` is the body; `generate` runs it inside
-`lax.while_loop` (one dispatch for the whole generation) or, with `trace=False`, from a Python
-loop (for streaming and debugging; the engine's step is the same program). Each driver is
-batch invariant (docs/batch_invariance.md); the two compile the step differently, so their
-logits can differ in the last bit and a near-tie can pick another token.
+`lax.while_loop` (one dispatch for the whole generation; the engine runs the same loop for a
+few steps per call, `decode_steps_jit`) or, with `trace=False`, from a Python loop (for
+debugging). Each driver is batch invariant (docs/batch_invariance.md); the two compile the step
+differently, so their logits can differ in the last bit and a near-tie can pick another token.
 
 Off-by-one convention (SPEC O1): `decode_step` selects y_t from the logits of prompt + y[1:t-1];
 if y_t ends its row (EOS, stop id, max_tokens, context limit, a dead end) it is never written;
@@ -269,12 +269,15 @@ def decode_step_jit(state: StepState, params: Any,
 
 # -- generate --------------------------------------------------------------------------------
 
-@functools.partial(jax.jit, static_argnums=(0,))
-def _generate_loop(config: LoopConfig, params: Any, state: StepState,
-                   research_args: Optional[research_lib.ResearchArgs] = None):
-    """The while-loop driver: at most `config.num_steps` steps, until every row is done. With
-    research options, also step-major buffers [num_steps, ...] of each step's research outputs
-    (`research.extras`), and the host callback after each step."""
+def _loop(config: LoopConfig, params: Any, state: StepState,
+          research_args: Optional[research_lib.ResearchArgs] = None,
+          limit: Optional[Array] = None):
+    """The while-loop driver: at most `config.num_steps` steps (and at most `limit`, a traced
+    int32, when given), until every row is done.
+    Returns the state, buffers (token, logprob, top ids, top logprobs) [B, num_steps, ...]
+    (token -1 where a row selected nothing) and, with research options, step-major buffers
+    [num_steps, ...] of each step's research outputs (`research.extras`; the host callback
+    runs after each step)."""
     num_steps, research = config.num_steps, config.step.research
     b, k = state.step.shape[0], config.step.top_logprobs
     step = functools.partial(decode_step, config.step, params, research_args=research_args)
@@ -297,10 +300,35 @@ def _generate_loop(config: LoopConfig, params: Any, state: StepState,
                 research_lib.emit(research_args.callback_id, i, out)
         return i + 1, state, bufs, extra
 
-    _, state, buffers, extra = jax.lax.while_loop(
-        lambda c: (c[0] < num_steps) & ~jnp.all(c[1].done), body,
-        (jnp.int32(0), state, buffers, extra))
+    def more(carry):
+        i, state = carry[:2]
+        go = (i < num_steps) & ~jnp.all(state.done)
+        return go if limit is None else go & (i < limit)
+
+    _, state, buffers, extra = jax.lax.while_loop(more, body,
+                                                  (jnp.int32(0), state, buffers, extra))
     return state, buffers, extra
+
+
+_generate_loop = jax.jit(_loop, static_argnums=(0,))
+
+MAX_STEPS_PER_CALL = 16  # the step axis of `decode_steps_jit` in the engine (one program)
+
+
+@cache_ops.shared_tables
+def decode_steps_jit(state: StepState, params: Any, steps: Array, *, config: LoopConfig
+                     ) -> tuple[StepState, StepOutput]:
+    """`steps` (int32, at most `config.num_steps`) decode steps in one dispatch -- the engine's
+    step without research options -- the state donated: a StepOutput whose token, logprob,
+    top_ids and top_logprobs have a step axis [B, config.num_steps, ...] (token -1 where a row
+    selected nothing) and whose finish is the code of each row's last token (RUNNING for a row
+    that selected none). One program for every `steps` (a traced bound), so a row's tokens
+    never depend on how many steps a call runs; `generate`'s loop body."""
+    before = state.step
+    state, (token, logprob, top_ids, top_lp), _ = _loop(config, params, state, limit=steps)
+    finish = jnp.where(state.step > before, state.finish, RUNNING)
+    return state, StepOutput(token=token, finish=finish, logprob=logprob, top_ids=top_ids,
+                             top_logprobs=top_lp)
 
 
 def iterate(config: StepConfig, params: Any, state: StepState, num_steps: int,

@@ -136,6 +136,23 @@ class KVLayout:
         return cls(pages, page_size, chunk, prefix_cache)
 
 
+DECODE_STEPS = 8  # a plain engine's most decode steps per device call (scheduler.py)
+
+
+def decode_steps(value: Optional[int], spec: Any, research: Any) -> int:
+    """The engine's decode steps per call: `value`, by default DECODE_STEPS for a plain engine
+    and 1 for a speculative one (a step is a round) or one with custom processors (their
+    per-step outputs); ValueError naming decode_steps otherwise."""
+    single = spec is not None or research is not None
+    if value is None:
+        return 1 if single else DECODE_STEPS
+    _integer("decode_steps", value, 1, decode.MAX_STEPS_PER_CALL)
+    if value > 1 and single:
+        raise ValueError(f"decode_steps: must be 1 with {'speculative' if spec else 'processors'}"
+                         f" (one step per call), got {value}")
+    return value
+
+
 def check_options(spec: Any, research: Any, mesh: Any, step_hook: Any) -> None:
     """The engine options that do not go together (ValueError naming one of them)."""
     if spec is not None and mesh is not None:

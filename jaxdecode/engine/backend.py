@@ -13,9 +13,11 @@ through one per-token path.
     insert(state, rows, slots)     scatter new rows into slots
     copy_pages(state, src, dst)    copy on write of a shared partial page
     set_flags(state, release, paused)
-    step(state, kv_len, top_k)     one step over every row -> (state, device output)
+    step(state, kv_len, top_k, steps)
+                                   one step over every row -> (state, device output); the
+                                   plain backend may run `steps` decode steps in one call
     fetch(out, top_k)              the one host transfer of a step -> StepResult
-    kv_needed(request)             the attention positions the next step needs for a request
+    kv_needed(request, steps)      the attention positions the next step needs for a request
     warmup(state, chunks, prompt widths, kv buckets, top-ks)
     observe(request, result, slot) per-row bookkeeping once a step is processed
 
@@ -69,9 +71,9 @@ class SlotBackend(Protocol):
     def insert(self, state: Any, rows: Any, targets: np.ndarray) -> Any: ...
     def copy_pages(self, state: Any, src: np.ndarray, dst: np.ndarray) -> Any: ...
     def set_flags(self, state: Any, release: np.ndarray, paused: np.ndarray) -> Any: ...
-    def step(self, state: Any, kv_len: int, top_k: int) -> tuple[Any, Any]: ...
+    def step(self, state: Any, kv_len: int, top_k: int, steps: int = 1) -> tuple[Any, Any]: ...
     def fetch(self, out: Any, top_k: int) -> StepResult: ...
-    def kv_needed(self, r: Any) -> int: ...
+    def kv_needed(self, r: Any, steps: int = 1) -> int: ...
     def warmup(self, state: Any, chunk_shapes: Sequence[tuple], prompt_widths: Sequence[int],
                kv_buckets: Sequence[int], top_ks: Sequence[int]) -> Any: ...
     def observe(self, r: Any, result: StepResult, slot: int) -> None: ...
@@ -169,11 +171,21 @@ class _Rows:
 
 
 class PlainBackend(_Rows):
-    """K = 1: one `decode.decode_step` per engine step (one loop body with `jd.generate`)."""
+    """K = steps: `steps` decode steps per engine step, one program for any count
+    (`decode.decode_steps_jit`, the loop body of `jd.generate`); with research options one
+    `decode.decode_step` (their per-step outputs)."""
 
-    def step(self, state: Any, kv_len: int, top_k: int) -> tuple[Any, Any]:
+    def step(self, state: Any, kv_len: int, top_k: int, steps: int = 1) -> tuple[Any, Any]:
         config = decode.StepConfig(self.model, top_k, kv_len, self.slot_config.research)
-        state, out = decode.decode_step_jit(state, self.params, config=config, **self._research())
+        if self.research is None:
+            loop = decode.LoopConfig(config, decode.MAX_STEPS_PER_CALL)
+            state, out = decode.decode_steps_jit(state, self.params, np.int32(steps),
+                                                 config=loop)
+        elif steps == 1:
+            state, out = decode.decode_step_jit(state, self.params, config=config,
+                                                **self._research())
+        else:
+            raise ValueError("steps: one decode step per call with research options")
         return state, self._output(out)
 
     def fetch(self, out: Any, top_k: int) -> StepResult:
@@ -181,17 +193,19 @@ class PlainBackend(_Rows):
                                             if top_k else ())
         fetched = jax.device_get(arrays)  # one transfer
         token, finish = fetched[:2]
-        b = token.shape[0]
-        logprob, top_ids, top_lp = (fetched[2:] if top_k else
-                                    (np.zeros((b,), np.float32), np.zeros((b, 0), np.int32),
-                                     np.zeros((b, 0), np.float32)))
-        return StepResult(tokens=token[:, None], counts=(token >= 0).astype(np.int32),
-                          finish=finish, logprob=logprob[:, None], top_ids=top_ids[:, None],
-                          top_logprobs=top_lp[:, None])
+        per_token = fetched[2:]
+        if token.ndim == 1:  # one step: its step axis
+            token, per_token = token[:, None], [x[:, None] for x in per_token]
+        b, k = token.shape
+        logprob, top_ids, top_lp = (per_token if top_k else
+                                    (np.zeros((b, k), np.float32), np.zeros((b, k, 0), np.int32),
+                                     np.zeros((b, k, 0), np.float32)))
+        return StepResult(tokens=token, counts=(token >= 0).sum(1).astype(np.int32),
+                          finish=finish, logprob=logprob, top_ids=top_ids, top_logprobs=top_lp)
 
-    def kv_needed(self, r: Any) -> int:
-        """Prompt, dispatched steps and the token this step writes."""
-        return len(r.prompt_ids) + r.dispatched + 1
+    def kv_needed(self, r: Any, steps: int = 1) -> int:
+        """Prompt, dispatched steps and the tokens this step writes."""
+        return len(r.prompt_ids) + r.dispatched + steps
 
 
 @functools.lru_cache(maxsize=None)
@@ -216,7 +230,9 @@ class SpeculativeBackend(_Rows):
         self.spec = spec
         self.totals = dict.fromkeys(COUNTERS, 0)
 
-    def step(self, state: Any, kv_len: int, top_k: int) -> tuple[Any, Any]:
+    def step(self, state: Any, kv_len: int, top_k: int, steps: int = 1) -> tuple[Any, Any]:
+        if steps != 1:
+            raise ValueError("steps: a speculative engine runs one round per call")
         spec = self.spec
         config = RoundConfig(self.model, spec.draft, spec.k, spec.ngrams, kv_len, top_k,
                              spec.num_branches)
@@ -229,7 +245,7 @@ class SpeculativeBackend(_Rows):
                           logprob=out.logprob, top_ids=out.top_ids,
                           top_logprobs=out.top_logprobs, accepted=out.accepted)
 
-    def kv_needed(self, r: Any) -> int:
+    def kv_needed(self, r: Any, steps: int = 1) -> int:
         """An upper bound of L + k + 1 for the round about to be dispatched: the prompt, the
         processed tokens and k + 1 tokens for each round in flight and this one."""
         return len(r.prompt_ids) + r.selected + (self.spec.k + 1) * (r.in_flight + 1)

@@ -50,8 +50,10 @@ class EngineCore:
 
     def __init__(self, ctx: step_ops.Context, scheduler: Scheduler,
                  limits: admission.EngineLimits, *, logprobs_k: int,
-                 step_hook: Optional[Any] = None, stateful_processors: bool = False):
+                 step_hook: Optional[Any] = None, stateful_processors: bool = False,
+                 decode_steps: int = 1):
         self.ctx, self.scheduler, self.step_hook = ctx, scheduler, step_hook
+        self.decode_steps = decode_steps  # the most decode steps per call (scheduler.plan)
         self.backend = ctx.backend
         self.logprobs_k, self.stateful_processors = logprobs_k, stateful_processors
         self.output = OutputProcessor(scheduler, self.backend, on_step=self._stepped)
@@ -314,16 +316,17 @@ class EngineCore:
     # -- dispatch ---------------------------------------------------------------------------------
 
     def _dispatch(self) -> Optional[Dispatched]:
-        plan = self.scheduler.plan(self.backend.kv_needed, self.logprobs_k)
+        plan = self.scheduler.plan(self.backend.kv_needed, self.logprobs_k, self.decode_steps)
         if self.state is not None and plan.flags is not None:
             self.device(step_ops.flags(*plan.flags))
         if not plan.live:
             return None
         for r in plan.live:
-            r.dispatched += 1
+            r.lifecycle.record("decode.started", step=r.dispatched + 1,
+                               **({"steps": plan.steps} if plan.steps > 1 else {}))
+            r.dispatched += plan.steps
             r.in_flight += 1
-            r.lifecycle.record("decode.started", step=r.dispatched)
-        out = self.device(step_ops.step(plan.kv_len, plan.top_k))
+        out = self.device(step_ops.step(plan.kv_len, plan.top_k, plan.steps))
         return Dispatched(out=out, owners=plan.owners, top_k=plan.top_k)
 
     # -- faults -------------------------------------------------------------------------------
@@ -344,9 +347,10 @@ class EngineCore:
         suspects = [r for r in dict.fromkeys(self._admitting + self.scheduler.slots)
                     if r is not None and not r.lifecycle.is_terminal]
         self._admitting = []
-        # the failing step is one of those in flight, beyond what the host has processed
-        probe = functools.partial(self._probe, steps=1 + max(
-            (r.in_flight for r in suspects), default=0))
+        # the failing step is one of those in flight, beyond what the host has processed (each
+        # call up to decode_steps steps; the probe runs single steps)
+        probe = functools.partial(self._probe, steps=(1 + max(
+            (r.in_flight for r in suspects), default=0)) * self.decode_steps)
         for r in suspects:
             r.faults += 1
             r.lifecycle.record("engine.fault", error=reason)

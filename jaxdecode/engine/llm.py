@@ -36,7 +36,8 @@ class LLM:
 
     Per-request bounds: `max_num_beams`, `max_n`; `max_constraint_compile_s` and
     `max_constraint_states` make the `CompileBudget` of a response_format compile.
-    `params_hash`: the weights' content hash when the caller knows it (never recomputed)."""
+    `params_hash`: the weights' content hash when the caller knows it (never recomputed);
+    `decode_steps`: decode steps per device call while nothing waits (admission.py)."""
 
     def __init__(self, model: DecoderModel, params: Any, tokenizer: Any, *, max_slots: int = 8,
                  max_len: int = 2048, eos_token_ids: Optional[Sequence[int]] = None,
@@ -47,8 +48,8 @@ class LLM:
                  max_n: int = admission.MAX_N, max_constraint_compile_s: float = 30.0,
                  max_constraint_states: int = constraints.limits.MAX_STATES,
                  processors: Optional[Sequence[Any]] = None, params_hash: Optional[str] = None,
-                 kv_pages: Optional[int] = None, page_size: int = 16,
-                 prefill_chunk: Optional[int] = 256, prefix_cache: bool = True):
+                 kv_pages: Optional[int] = None, page_size: int = 16, prefix_cache: bool = True,
+                 prefill_chunk: Optional[int] = 256, decode_steps: Optional[int] = None):
         admission.check_sizes(max_slots, max_len, max_queue, model.config.max_len)
         self.model, self.params, self.tokenizer = model, params, tokenizer
         self.max_slots, self.max_len, self.max_queue = max_slots, max_len, max_queue
@@ -76,6 +77,7 @@ class LLM:
         self._scheduler, self._core = EngineCore.build(
             ctx, self.kv, max_queue, self.limits, lambda: self.model_snapshot,
             logprobs_k=self.logprobs_k, step_hook=step_hook,
+            decode_steps=admission.decode_steps(decode_steps, spec, self._research),
             stateful_processors=any(p.stateful for p in processors or ()))
         self._records = records.Records(
             model, params, tokenizer, model_source=model_source, max_slots=max_slots,
@@ -185,8 +187,7 @@ class LLM:
         op = step_ops.warmup(max_prompt_len, self.logprobs_k, self.kv.chunk)
         if self.step_hook is not None:
             self.step_hook.publish(op)
-        return step_ops.warmup_shapes(self._core.ctx, max_prompt_len, self.logprobs_k,
-                                      self.kv.chunk)
+        return step_ops.apply(self._core.ctx, None, op)[1]
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the engine thread; requests still queued or running end CANCELLED."""

@@ -53,7 +53,7 @@ class Request:
         self.reported = 0            # logprobs already sent in a delta
         self.selected = self.processed = 0
         self.dispatched = 0          # steps dispatched while in a slot (may lead `selected`)
-        self.in_flight = 0           # dispatched steps of this row not yet processed
+        self.in_flight = 0           # dispatched calls of this row not yet processed
         self.slot: Optional[int] = None
         self.faults = 0              # failed engine steps it was running in (core recovery)
         self.error_message = ""

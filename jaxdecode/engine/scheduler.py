@@ -12,6 +12,12 @@ the prefix cache is mapped, not recomputed; the samples of one prompt admitted t
 (`LLM.generate` with n > 1) share its prompt pages and only the first prefills. When the
 request at the head does not fit, admission waits (the queue keeps its order).
 
+Multi-step decoding: a plain engine's step may run up to `decode_steps` decode steps in one
+device call, fewer host round trips per token (the tokens are those of single steps). It
+does so only when nothing waits for the device -- no queued request, no prompt prefilling --
+and every live stream has room for two such calls' deltas; otherwise one step per call, so a
+request that arrives waits for at most one multi-step call.
+
 Chunked prefill: every iteration prefills at most `prefill_chunk` prompt tokens (at least one
 chunk), before the running rows' decode step, so a long prompt delays the running streams by at
 most one chunk per step. Chunks start at multiples of the chunk size (shapes.chunk_plan).
@@ -43,13 +49,15 @@ class EngineClosed(RuntimeError):
 class StepPlan:
     """The next step: the owner of each slot when it is dispatched (None: empty, prefilling or
     not live), the live requests, the release / pause masks to apply first (None: unchanged),
-    the attention bucket and the top-k of logprobs (0 or the engine's `logprobs_k`)."""
+    the attention bucket, the top-k of logprobs (0 or the engine's `logprobs_k`) and the
+    decode steps it runs."""
 
     owners: list
     live: list
     flags: Optional[tuple[np.ndarray, np.ndarray]]
     kv_len: int
     top_k: int
+    steps: int = 1
 
 
 @dataclasses.dataclass
@@ -305,9 +313,11 @@ class Scheduler:
         self.paused[:] = False
         self.pool.reset()
 
-    def plan(self, kv_needed: Callable[[Request], int], logprobs_k: int) -> StepPlan:
+    def plan(self, kv_needed: Callable[[Request, int], int], logprobs_k: int,
+             decode_steps: int = 1) -> StepPlan:
         """The next step over the slots: rows paused by their user or by back-pressure skip it
-        (their state untouched, SPEC B1); pause changes are recorded in the trace."""
+        (their state untouched, SPEC B1); pause changes are recorded in the trace. It runs
+        `decode_steps` steps when nothing waits (module docstring), else one."""
         owners = list(self.slots)
         paused = np.array([r is not None and (r.user_paused or r.lifecycle.stream.should_pause)
                            for r in owners])
@@ -321,14 +331,24 @@ class Scheduler:
         self.paused = paused
         live = [r for r, p in zip(owners, paused)
                 if r is not None and not p and not r.is_prefilling]
-        kv_len, top_k = self.step_shape(live, kv_needed, logprobs_k)
+        steps = decode_steps if decode_steps > 1 and self._steady(live, decode_steps) else 1
+        kv_len, top_k = self.step_shape(live, kv_needed, logprobs_k, steps)
         return StepPlan(owners=[r if r in live else None for r in owners], live=live,
-                        flags=flags, kv_len=kv_len, top_k=top_k)
+                        flags=flags, kv_len=kv_len, top_k=top_k, steps=steps)
 
-    def step_shape(self, live: list, kv_needed: Callable[[Request], int],
-                   logprobs_k: int) -> tuple[int, int]:
-        """The attention bucket covering every live row and the top-k of logprobs (0 unless
-        one of them asked)."""
-        longest = max((kv_needed(r) for r in live), default=1)
+    def _steady(self, live: list, steps: int) -> bool:
+        """Nothing waits for the device and each live stream has room for two calls of
+        `steps` deltas (module docstring)."""
+        with self.cond:
+            if self.queue or self.prefilling:
+                return False
+        return all(r.lifecycle.stream.unsent + 2 * steps <= r.lifecycle.stream.max_buffered
+                   for r in live)
+
+    def step_shape(self, live: list, kv_needed: Callable[[Request, int], int],
+                   logprobs_k: int, steps: int = 1) -> tuple[int, int]:
+        """The attention bucket covering every live row over `steps` steps and the top-k of
+        logprobs (0 unless one of them asked)."""
+        longest = max((kv_needed(r, steps) for r in live), default=1)
         top_k = logprobs_k if any(r.logprobs is not None for r in live) else 0
         return kv_bucket(longest, self.max_len), top_k

@@ -11,7 +11,8 @@ own state, so leader and followers cannot drift. One op = one device action:
                                                           pages; the last one also sets up the
                                                           rows that start decoding after it
     RESTORE  a saved row into pages and a slot   GRAMMAR  new grammar tables / rebased states
-    FLAGS    release and pause masks             STEP     one decode step (kv_len, top_logprobs)
+    FLAGS    release and pause masks             STEP     one engine step (kv_len, top_logprobs,
+                                                          decode steps in the call)
     RESET    drop the state (after a failure)    WARMUP   compile every engine shape
     BEAM     one `jd.beam_search` call of the engine's beam lane (the slot state is untouched)
     STOP     the leader is shutting down (followers return)
@@ -42,7 +43,7 @@ from jaxdecode.engine.backend import Pages, PlainBackend, SlotBackend, Speculati
 from jaxdecode.engine.scheduler import chunk_plan, kv_bucket
 from jaxdecode.model_api import DecoderModel, PagedKVCache
 
-VERSION = 2
+VERSION = 3
 INIT, CHUNK, RESTORE, GRAMMAR, FLAGS, STEP, RESET, WARMUP, STOP, BEAM = range(1, 11)
 NAMES = {INIT: "init", CHUNK: "chunk", RESTORE: "restore", GRAMMAR: "grammar", FLAGS: "flags",
          STEP: "step", RESET: "reset", WARMUP: "warmup", STOP: "stop", BEAM: "beam"}
@@ -165,8 +166,9 @@ def flags(release: np.ndarray, paused: np.ndarray) -> StepOp:
     return StepOp(FLAGS, {"release": np.asarray(release, bool), "paused": np.asarray(paused, bool)})
 
 
-def step(kv_len: int, top_logprobs: int = 0) -> StepOp:
-    return StepOp(STEP, {"kv_len": _i32(kv_len), "top_logprobs": _i32(top_logprobs)})
+def step(kv_len: int, top_logprobs: int = 0, steps: int = 1) -> StepOp:
+    return StepOp(STEP, {"kv_len": _i32(kv_len), "top_logprobs": _i32(top_logprobs),
+                         "steps": _i32(steps)})
 
 
 def reset() -> StepOp:
@@ -297,7 +299,8 @@ def apply(ctx: Context, state: Optional[Any], op: StepOp) -> tuple[Optional[Any]
     if op.code == FLAGS:
         return backend.set_flags(state, ctx.per_row(a["release"]), ctx.per_row(a["paused"])), None
     if op.code == STEP:
-        return backend.step(state, op.scalar("kv_len"), op.scalar("top_logprobs"))
+        return backend.step(state, op.scalar("kv_len"), op.scalar("top_logprobs"),
+                            op.scalar("steps"))
     if op.code == RESET:
         return None, None
     if op.code == BEAM:
@@ -358,7 +361,8 @@ def warmup_shapes(ctx: Context, max_prompt_len: int, top_logprobs: int = 0,
     """Compile every shape the engine can meet for prompts up to `max_prompt_len`: each
     prefill chunk program (length, attention bucket), the new rows of each prompt width, the
     flags and the step for each attention bucket, without logprobs and with `top_logprobs`
-    (the engine's two step variants). Returns the compilations."""
+    (the engine's two step variants; one program for any decode steps per call). Returns the
+    compilations."""
     before = decode.compilation_count()
     lengths = range(1, min(max_prompt_len, ctx.max_len - 1) + 1)
     chunk = chunk or ctx.max_len

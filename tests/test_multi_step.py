@@ -1,0 +1,122 @@
+"""Several decode steps per engine call (`jd.LLM(decode_steps=...)`, engine/scheduler.py): the
+same tokens, text, endings and usage as one step per call (SPEC X1), multi-step calls only while
+nothing waits, and a cancel that discards the call in flight (SPEC C2)."""
+
+import threading
+
+import jax
+import pytest
+
+import jaxdecode as jd
+from tests.host_fixtures import byte_level_tokenizer, byte_tokenizer
+from tests.scripted import HOOKS, HookedModel, ScriptedModel
+
+
+def _calls(c):
+    """(first step, steps) of each device call that ran the request."""
+    return [(e.data["step"], e.data.get("steps", 1)) for e in c.events
+            if e.kind == "decode.started"]
+
+
+@pytest.fixture(scope="module")
+def llama():
+    from models import Llama, LlamaConfig
+
+    tok = byte_level_tokenizer()
+    cfg = LlamaConfig(vocab_size=tok.get_vocab_size(), num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=8, max_len=128, hidden_size=32,
+                      intermediate_size=64, eos_token_ids=(0,))
+    model = Llama(cfg)
+    return model, model.init_params(jax.random.key(3), scale=0.3), tok
+
+
+def test_decode_steps_X1_same_completions_at_1_and_8_steps_per_call(llama):
+    model, params, tok = llama
+    prompts = [[5, 6, 7], [9, 9], [1, 2, 3, 4], [40, 41]]
+    settings = [jd.SamplingParams(temperature=1.0, top_k=50, seed=11, max_tokens=21,
+                                  ignore_eos=True, utf8_errors="replace", logprobs=2),
+                jd.SamplingParams(temperature=0.0, max_tokens=13, utf8_errors="replace"),
+                jd.SamplingParams(temperature=0.7, seed=3, max_tokens=30, min_tokens=9,
+                                  repetition_penalty=1.3, utf8_errors="replace"),
+                jd.SamplingParams(temperature=0.9, seed=8, max_tokens=17, ignore_eos=True,
+                                  utf8_errors="replace", n=2)]
+    runs = {}
+    for steps in (1, 8):
+        with jd.LLM(model, params, tok, max_slots=4, max_len=128, decode_steps=steps) as llm:
+            runs[steps] = llm.generate(prompts, settings)
+    for one, multi in zip(runs[1], runs[8]):
+        assert (multi.token_ids, multi.text, multi.finish_reason, multi.usage) == (
+            one.token_ids, one.text, one.finish_reason, one.usage)
+        assert multi.logprobs == one.logprobs
+    assert all(n == 1 for c in runs[1] for _, n in _calls(c))
+    assert any(n == 8 for c in runs[8] for _, n in _calls(c))  # it did run several per call
+
+
+def test_decode_steps_stop_string_inside_a_call_ends_where_one_step_does():
+    tok = byte_tokenizer()
+    text = "abcSTOPdefghijklmnop"
+    model = ScriptedModel.make([0] + list(text.encode()), vocab_size=257, eos_token_ids=(256,))
+    sp = jd.SamplingParams(temperature=0.0, max_tokens=16, stop=["STOP"])
+    out = {}
+    for steps in (1, 8):
+        with jd.LLM(model, {}, tok, max_slots=2, max_len=64, decode_steps=steps) as llm:
+            out[steps] = llm.submit([1, 2], sp).result(timeout=30)
+    assert out[8].text == out[1].text == "abc"
+    assert out[8].finish_reason == jd.FinishReason.STOP_SEQUENCE
+    assert out[8].usage == out[1].usage and out[8].usage.selected_tokens == 7
+    # the first call ran 8 steps (the next one was in flight already): the rest never shows
+    assert _calls(out[8])[0] == (1, 8)
+
+
+def test_decode_steps_one_per_call_while_a_request_waits():
+    """max_slots=1: the first request runs while the second waits in the queue (single
+    steps); the second runs alone (multi-step calls once its prompt is prefilled)."""
+    tok = byte_tokenizer()
+    model = ScriptedModel.make([0] + [97] * 60, vocab_size=257)
+    sp = jd.SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    with jd.LLM(model, {}, tok, max_slots=1, max_len=64, decode_steps=4) as llm:
+        first, second = llm.generate([[1, 2], [3, 4]], sp)
+    assert first.text == second.text == "a" * 20
+    # (a call past the last token may be in flight when the request ends)
+    assert _calls(first)[:20] == [(t, 1) for t in range(1, 21)]
+    assert _calls(second)[:5] == [(1, 4), (5, 4), (9, 4), (13, 4), (17, 4)]
+
+
+def test_decode_steps_C2_cancel_discards_the_call_in_flight():
+    """A cancel while a multi-step call runs: that call's tokens are never selected for the
+    request (the call is the step of C2); it ends CANCELLED with its slot released once."""
+    tok = byte_tokenizer()
+    entered, release = threading.Event(), threading.Event()
+
+    def hook(positions, lengths):
+        if positions.shape[1] == 1 and lengths[0] == 1 and positions[0, 0] == 4:
+            entered.set()
+            release.wait(30)
+
+    HOOKS["multi"] = hook
+    model = HookedModel.make([0] + [97] * 60, "multi", vocab_size=257)
+    with jd.LLM(model, {}, tok, max_slots=2, max_len=64, decode_steps=8) as llm:
+        h = llm.submit([1, 2], jd.SamplingParams(temperature=0.0, max_tokens=30))
+        assert entered.wait(30)  # step 3 of the first call
+        h.cancel()
+        release.set()
+        c = h.result(timeout=30)
+        assert llm.generate([[1, 2]], jd.SamplingParams(temperature=0.0, max_tokens=3))[0].text \
+            == "aaa"  # the engine goes on
+    assert c.state == jd.RequestState.CANCELLED
+    assert not any(e.kind in ("token.selected", "delta") for e in c.events)
+    assert sum(e.kind == "resources.released" for e in c.events) == 1
+
+
+@pytest.mark.parametrize("value", [0, 17, 2.0, True])
+def test_decode_steps_bad_values_name_the_field(value):
+    model = ScriptedModel.make([0, 5], vocab_size=257)
+    with pytest.raises(ValueError, match="^decode_steps"):
+        jd.LLM(model, {}, byte_tokenizer(), max_slots=1, max_len=16, decode_steps=value)
+
+
+def test_decode_steps_not_with_speculative():
+    model = ScriptedModel.make([0, 5], vocab_size=257)
+    with pytest.raises(ValueError, match="^decode_steps"):
+        jd.LLM(model, {}, byte_tokenizer(), max_slots=1, max_len=16, decode_steps=2,
+               speculative={"draft": "prompt_lookup", "k": 2})
