@@ -150,12 +150,12 @@ def test_follower_replays_the_leader_bit_for_bit(monkeypatch, tmp_path):
                                                           logprobs=2)))
         hs.append(llm.submit("def g():", jd.SamplingParams(num_beams=3, max_tokens=6)))
         done = [h.result(timeout=300) for h in hs]
-        saved = llm.submit("def f(x):", jd.SamplingParams(seed=2, max_tokens=14, ignore_eos=True))
+        saved = llm.submit("def f(x):", jd.SamplingParams(seed=2, max_tokens=40, ignore_eos=True))
         next(e for e in saved.events() if e.kind == "delta")
         llm.save_request(saved, str(tmp_path / "saved"))
         saved.cancel()
         restored = llm.restore_request(str(tmp_path / "saved")).result(timeout=300)
-        [whole] = llm.generate("def f(x):", jd.SamplingParams(seed=2, max_tokens=14,
+        [whole] = llm.generate("def f(x):", jd.SamplingParams(seed=2, max_tokens=40,
                                                               ignore_eos=True))
     channel.publish(step_ops.stop())
     follower.join(120)
@@ -163,7 +163,7 @@ def test_follower_replays_the_leader_bit_for_bit(monkeypatch, tmp_path):
     assert long.result().state == jd.RequestState.CANCELLED
     assert all(c.error is None for c in done), [c.error for c in done]
     assert done[3].text in ("yes", "no")
-    assert restored.token_ids == whole.token_ids and len(whole.token_ids) == 14
+    assert restored.token_ids == whole.token_ids and len(whole.token_ids) == 40
     lead, follow = rec.outputs["jaxdecode-engine"], rec.outputs["follower"]
     assert len(lead) == len(follow) > 10
     for t, (a, b) in enumerate(zip(lead, follow)):

@@ -315,20 +315,42 @@ _generate_loop = jax.jit(_loop, static_argnums=(0,))
 MAX_STEPS_PER_CALL = 16  # the step axis of `decode_steps_jit` in the engine (one program)
 
 
-@cache_ops.shared_tables
-def decode_steps_jit(state: StepState, params: Any, steps: Array, *, config: LoopConfig
-                     ) -> tuple[StepState, StepOutput]:
-    """`steps` (int32, at most `config.num_steps`) decode steps in one dispatch -- the engine's
-    step without research options -- the state donated: a StepOutput whose token, logprob,
-    top_ids and top_logprobs have a step axis [B, config.num_steps, ...] (token -1 where a row
-    selected nothing) and whose finish is the code of each row's last token (RUNNING for a row
-    that selected none). One program for every `steps` (a traced bound), so a row's tokens
-    never depend on how many steps a call runs; `generate`'s loop body."""
+def _steps(config: LoopConfig, params: Any, state: StepState, steps: Array
+           ) -> tuple[StepState, StepOutput]:
     before = state.step
     state, (token, logprob, top_ids, top_lp), _ = _loop(config, params, state, limit=steps)
     finish = jnp.where(state.step > before, state.finish, RUNNING)
     return state, StepOutput(token=token, finish=finish, logprob=logprob, top_ids=top_ids,
                              top_logprobs=top_lp)
+
+
+@cache_ops.shared_tables
+def decode_steps_jit(state: StepState, params: Any, steps: Array, rows: Optional[Array] = None,
+                     *, config: LoopConfig) -> tuple[StepState, StepOutput]:
+    """`steps` (int32, at most `config.num_steps`) decode steps in one dispatch -- the engine's
+    step without research options -- the state donated: a StepOutput whose token, logprob,
+    top_ids and top_logprobs have a step axis [B, config.num_steps, ...] (token -1 where a row
+    selected nothing) and whose finish is the code of each row's last token (RUNNING for a row
+    that selected none). One program for every `steps` (a traced bound), so a row's tokens
+    never depend on how many steps a call runs; `generate`'s loop body.
+
+    `rows` (int32[R], distinct; R >= numerics.MIN_ROWS): run only those rows -- gathered into
+    a batch of R, stepped over the shared page pool, scattered back -- when the others select
+    nothing (done, paused or empty): a step's cost follows the rows that decode, and batch
+    invariance makes their tokens those of the whole batch. The outputs stay per slot (rows
+    not run: token -1, finish RUNNING)."""
+    if rows is None:
+        return _steps(config, params, state, steps)
+    sub, out = _steps(config, params, cache_ops.take_rows(state, rows), steps)
+    merged = cache_ops.scatter_rows(state, sub, rows)
+    state = merged.replace(cache=merged.cache.replace(k=sub.cache.k, v=sub.cache.v))
+
+    def widen(x: Array, fill: int) -> Array:
+        return jnp.full((state.step.shape[0],) + x.shape[1:], fill, x.dtype).at[rows].set(x)
+
+    return state, out.replace(token=widen(out.token, -1), finish=widen(out.finish, RUNNING),
+                              logprob=widen(out.logprob, 0), top_ids=widen(out.top_ids, 0),
+                              top_logprobs=widen(out.top_logprobs, 0))
 
 
 def iterate(config: StepConfig, params: Any, state: StepState, num_steps: int,

@@ -13,12 +13,13 @@ through one per-token path.
     insert(state, rows, slots)     scatter new rows into slots
     copy_pages(state, src, dst)    copy on write of a shared partial page
     set_flags(state, release, paused)
-    step(state, kv_len, top_k, steps)
-                                   one step over every row -> (state, device output); the
-                                   plain backend may run `steps` decode steps in one call
+    step(state, kv_len, top_k, steps, rows)
+                                   one step over every row (or over `rows` only, when the
+                                   backend `compacts`) -> (state, device output); the plain
+                                   backend may run `steps` decode steps in one call
     fetch(out, top_k)              the one host transfer of a step -> StepResult
     kv_needed(request, steps)      the attention positions the next step needs for a request
-    warmup(state, chunks, prompt widths, kv buckets, top-ks)
+    warmup(state, chunks, prompt widths, kv buckets, top-ks, row counts)
     observe(request, result, slot) per-row bookkeeping once a step is processed
 
 Both backends are pure device code over `jaxdecode.device` (the KV cache in pages:
@@ -71,11 +72,13 @@ class SlotBackend(Protocol):
     def insert(self, state: Any, rows: Any, targets: np.ndarray) -> Any: ...
     def copy_pages(self, state: Any, src: np.ndarray, dst: np.ndarray) -> Any: ...
     def set_flags(self, state: Any, release: np.ndarray, paused: np.ndarray) -> Any: ...
-    def step(self, state: Any, kv_len: int, top_k: int, steps: int = 1) -> tuple[Any, Any]: ...
+    def step(self, state: Any, kv_len: int, top_k: int, steps: int = 1,
+             rows: Optional[np.ndarray] = None) -> tuple[Any, Any]: ...
     def fetch(self, out: Any, top_k: int) -> StepResult: ...
     def kv_needed(self, r: Any, steps: int = 1) -> int: ...
     def warmup(self, state: Any, chunk_shapes: Sequence[tuple], prompt_widths: Sequence[int],
-               kv_buckets: Sequence[int], top_ks: Sequence[int]) -> Any: ...
+               kv_buckets: Sequence[int], top_ks: Sequence[int],
+               row_counts: Sequence[int] = ()) -> Any: ...
     def observe(self, r: Any, result: StepResult, slot: int) -> None: ...
 
 
@@ -96,6 +99,7 @@ class _Rows:
     and its followers agree, step_ops.Context)."""
 
     speculative = False
+    compacts = False  # `step` runs a subset of rows (`rows`)
 
     def __init__(self, model: DecoderModel, params: Any, rows: int, max_len: int,
                  eos_token_ids: Sequence[int], pages: Pages, research: Optional[Any] = None,
@@ -148,10 +152,12 @@ class _Rows:
         return None
 
     def warmup(self, state: Any, chunk_shapes: Sequence[tuple], prompt_widths: Sequence[int],
-               kv_buckets: Sequence[int], top_ks: Sequence[int]) -> Any:
+               kv_buckets: Sequence[int], top_ks: Sequence[int],
+               row_counts: Sequence[int] = ()) -> Any:
         """Compile each chunk program (length T, attention bucket), the new rows for each
         prompt width and their insert, the flags, and the step for each attention bucket and
-        top-k (tables point at the null page; the inserted row is dropped)."""
+        top-k, over every row and over each of `row_counts` rows (tables point at the null
+        page; the inserted row is dropped)."""
         table = np.zeros((-(-self.max_len // self.pages.page_size),), np.int32)
         logits = None
         for t, kv in chunk_shapes:
@@ -164,22 +170,33 @@ class _Rows:
             state = self.insert(state, new, np.full((1,), self.rows, np.int32))
         flags = np.zeros((self.rows,), bool)
         state = self.set_flags(state, flags, flags)
+        subsets = [None] + [np.arange(n, dtype=np.int32) for n in row_counts if self.compacts]
         for kv in kv_buckets:
             for top_k in top_ks:
-                state, out = self.step(state, kv, top_k)
+                for rows in subsets:
+                    state, out = self.step(state, kv, top_k, rows=rows)
         return state
 
 
 class PlainBackend(_Rows):
     """K = steps: `steps` decode steps per engine step, one program for any count
-    (`decode.decode_steps_jit`, the loop body of `jd.generate`); with research options one
-    `decode.decode_step` (their per-step outputs)."""
+    (`decode.decode_steps_jit`, the loop body of `jd.generate`), over the live rows only when
+    they are few (`compacts`; not with a mesh, whose rows are spread over devices); with
+    research options one `decode.decode_step` over every row (their per-step outputs; a
+    processor may couple rows)."""
 
-    def step(self, state: Any, kv_len: int, top_k: int, steps: int = 1) -> tuple[Any, Any]:
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.compacts = self.research is None and self.mesh is None
+
+    def step(self, state: Any, kv_len: int, top_k: int, steps: int = 1,
+             rows: Optional[np.ndarray] = None) -> tuple[Any, Any]:
         config = decode.StepConfig(self.model, top_k, kv_len, self.slot_config.research)
+        if rows is not None and not self.compacts:
+            raise ValueError("rows: this backend steps every row")
         if self.research is None:
             loop = decode.LoopConfig(config, decode.MAX_STEPS_PER_CALL)
-            state, out = decode.decode_steps_jit(state, self.params, np.int32(steps),
+            state, out = decode.decode_steps_jit(state, self.params, np.int32(steps), rows,
                                                  config=loop)
         elif steps == 1:
             state, out = decode.decode_step_jit(state, self.params, config=config,
@@ -230,9 +247,10 @@ class SpeculativeBackend(_Rows):
         self.spec = spec
         self.totals = dict.fromkeys(COUNTERS, 0)
 
-    def step(self, state: Any, kv_len: int, top_k: int, steps: int = 1) -> tuple[Any, Any]:
-        if steps != 1:
-            raise ValueError("steps: a speculative engine runs one round per call")
+    def step(self, state: Any, kv_len: int, top_k: int, steps: int = 1,
+             rows: Optional[np.ndarray] = None) -> tuple[Any, Any]:
+        if steps != 1 or rows is not None:
+            raise ValueError("steps: a speculative engine runs one round over every row")
         spec = self.spec
         config = RoundConfig(self.model, spec.draft, spec.k, spec.ngrams, kv_len, top_k,
                              spec.num_branches)

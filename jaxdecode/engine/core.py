@@ -31,7 +31,7 @@ from typing import Any, Callable, Optional
 import jax
 import numpy as np
 
-from jaxdecode.device import constraints, decode
+from jaxdecode.device import constraints, decode, numerics
 from jaxdecode.device.state import RowParams
 from jaxdecode.engine import admission, beam_lane, faults, step_ops
 from jaxdecode.engine.output import Dispatched, OutputProcessor
@@ -77,7 +77,7 @@ class EngineCore:
         scheduler = Scheduler(ctx.max_slots, ctx.max_len, max_queue,
                               PagePool(kv.pages, kv.page_size, kv.prefix_cache), kv.chunk,
                               0 if spec is None else spec.k + 1, namespace,
-                              prefill_last=spec is None)
+                              prefill_last=spec is None, min_rows=numerics.MIN_ROWS)
         return scheduler, cls(ctx, scheduler, limits, **options)
 
     def _stepped(self) -> None:
@@ -316,7 +316,8 @@ class EngineCore:
     # -- dispatch ---------------------------------------------------------------------------------
 
     def _dispatch(self) -> Optional[Dispatched]:
-        plan = self.scheduler.plan(self.backend.kv_needed, self.logprobs_k, self.decode_steps)
+        plan = self.scheduler.plan(self.backend.kv_needed, self.logprobs_k, self.decode_steps,
+                                   self.backend.compacts)
         if self.state is not None and plan.flags is not None:
             self.device(step_ops.flags(*plan.flags))
         if not plan.live:
@@ -326,7 +327,7 @@ class EngineCore:
                                **({"steps": plan.steps} if plan.steps > 1 else {}))
             r.dispatched += plan.steps
             r.in_flight += 1
-        out = self.device(step_ops.step(plan.kv_len, plan.top_k, plan.steps))
+        out = self.device(step_ops.step(plan.kv_len, plan.top_k, plan.steps, plan.rows))
         return Dispatched(out=out, owners=plan.owners, top_k=plan.top_k)
 
     # -- faults -------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -158,13 +159,18 @@ def resume_host(r: Request, arrays: dict, meta: dict) -> None:
 
 def save_request(core: Any, handle: Any, path: str, params_hash: str, timeout: float) -> str:
     """`LLM.save_request`: pause the request, wait until no step of it is in flight, read its
-    row on the engine thread and write it with its host counters."""
+    row on the engine thread and write it with its host counters. ValueError when it ended
+    before the pause took effect (its steps in flight finished it)."""
     r = handle._request
     if handle.done or r.slot is None:
         raise ValueError("request: only a running request (in a slot) can be saved")
     handle.pause()
-    if not r.settled.wait(timeout):
-        raise TimeoutError("request: a step of it is still in flight")
+    deadline = time.monotonic() + timeout
+    while not r.settled.wait(0.01):
+        if r.finished.is_set():
+            raise ValueError("request: it ended before it could be paused (nothing saved)")
+        if time.monotonic() > deadline:
+            raise TimeoutError("request: a step of it is still in flight")
     arrays = core.on_thread(lambda: row_arrays(
         core.state, r, 0 if r.grammar is None else core.bundle.offsets[r.grammar.key]))
     return str(save(path, arrays, request_meta(r, params_hash)))

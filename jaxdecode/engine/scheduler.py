@@ -18,6 +18,10 @@ does so only when nothing waits for the device -- no queued request, no prompt p
 and every live stream has room for two such calls' deltas; otherwise one step per call, so a
 request that arrives waits for at most one multi-step call.
 
+Compaction: when few rows decode, a step runs only their slots (and enough idle ones for a
+count of `min_rows` times a power of two): its cost follows the live rows, not max_slots, and
+batch invariance keeps their tokens.
+
 Chunked prefill: every iteration prefills at most `prefill_chunk` prompt tokens (at least one
 chunk), before the running rows' decode step, so a long prompt delays the running streams by at
 most one chunk per step. Chunks start at multiples of the chunk size (shapes.chunk_plan).
@@ -58,6 +62,7 @@ class StepPlan:
     kv_len: int
     top_k: int
     steps: int = 1
+    rows: Optional[np.ndarray] = None
 
 
 @dataclasses.dataclass
@@ -79,7 +84,8 @@ class Scheduler:
 
     def __init__(self, max_slots: int, max_len: int, max_queue: int, pool: PagePool,
                  prefill_chunk: int, extra_positions: int = 0,
-                 namespace: Callable[[], str] = lambda: "", prefill_last: bool = True):
+                 namespace: Callable[[], str] = lambda: "", prefill_last: bool = True,
+                 min_rows: int = 2):
         self.max_slots, self.max_len, self.max_queue = max_slots, max_len, max_queue
         self.pool, self.prefill_chunk = pool, prefill_chunk
         self.extra_positions = extra_positions  # speculative rounds write k + 1 ahead
@@ -87,6 +93,7 @@ class Scheduler:
         # prefill stops one short, so no cached page ever holds a position a round rewrites
         self.prefill_last = prefill_last
         self.namespace = namespace               # the model snapshot (prefix cache keys)
+        self.min_rows = min_rows                 # the fewest rows a step runs (no batch of 1)
         self.cond = threading.Condition()
         self.queue: collections.deque[Request] = collections.deque()
         self.slots: list[Optional[Request]] = [None] * max_slots
@@ -314,10 +321,11 @@ class Scheduler:
         self.pool.reset()
 
     def plan(self, kv_needed: Callable[[Request, int], int], logprobs_k: int,
-             decode_steps: int = 1) -> StepPlan:
+             decode_steps: int = 1, compact: bool = False) -> StepPlan:
         """The next step over the slots: rows paused by their user or by back-pressure skip it
         (their state untouched, SPEC B1); pause changes are recorded in the trace. It runs
-        `decode_steps` steps when nothing waits (module docstring), else one."""
+        `decode_steps` steps when nothing waits, and with `compact` only the live rows' slots
+        when they are few (module docstring)."""
         owners = list(self.slots)
         paused = np.array([r is not None and (r.user_paused or r.lifecycle.stream.should_pause)
                            for r in owners])
@@ -334,7 +342,21 @@ class Scheduler:
         steps = decode_steps if decode_steps > 1 and self._steady(live, decode_steps) else 1
         kv_len, top_k = self.step_shape(live, kv_needed, logprobs_k, steps)
         return StepPlan(owners=[r if r in live else None for r in owners], live=live,
-                        flags=flags, kv_len=kv_len, top_k=top_k, steps=steps)
+                        flags=flags, kv_len=kv_len, top_k=top_k, steps=steps,
+                        rows=self.compact_rows(live) if compact else None)
+
+    def compact_rows(self, live: list) -> Optional[np.ndarray]:
+        """The slots a step runs when that is fewer than all (module docstring): the live
+        ones and enough others, which select nothing, for a count of `min_rows` times a power
+        of two; None when that count reaches max_slots."""
+        count = self.min_rows
+        while count < len(live):
+            count *= 2
+        if count >= self.max_slots:
+            return None
+        mine = {r.slot for r in live}
+        others = [s for s in range(self.max_slots) if s not in mine][:count - len(mine)]
+        return np.array(sorted(mine.union(others)), np.int32)
 
     def _steady(self, live: list, steps: int) -> bool:
         """Nothing waits for the device and each live stream has room for two calls of

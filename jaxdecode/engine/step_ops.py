@@ -166,9 +166,13 @@ def flags(release: np.ndarray, paused: np.ndarray) -> StepOp:
     return StepOp(FLAGS, {"release": np.asarray(release, bool), "paused": np.asarray(paused, bool)})
 
 
-def step(kv_len: int, top_logprobs: int = 0, steps: int = 1) -> StepOp:
-    return StepOp(STEP, {"kv_len": _i32(kv_len), "top_logprobs": _i32(top_logprobs),
-                         "steps": _i32(steps)})
+def step(kv_len: int, top_logprobs: int = 0, steps: int = 1,
+         rows: Optional[np.ndarray] = None) -> StepOp:
+    """`rows`: the slots the step runs (all when None; backend.py)."""
+    arrays = {"kv_len": _i32(kv_len), "top_logprobs": _i32(top_logprobs), "steps": _i32(steps)}
+    if rows is not None:
+        arrays["rows"] = np.asarray(rows, np.int32)
+    return StepOp(STEP, arrays)
 
 
 def reset() -> StepOp:
@@ -300,7 +304,7 @@ def apply(ctx: Context, state: Optional[Any], op: StepOp) -> tuple[Optional[Any]
         return backend.set_flags(state, ctx.per_row(a["release"]), ctx.per_row(a["paused"])), None
     if op.code == STEP:
         return backend.step(state, op.scalar("kv_len"), op.scalar("top_logprobs"),
-                            op.scalar("steps"))
+                            op.scalar("steps"), a.get("rows"))
     if op.code == RESET:
         return None, None
     if op.code == BEAM:
@@ -351,6 +355,12 @@ def _beam(ctx: Context, a: Mapping[str, np.ndarray]) -> Any:
                        tokenizer=ctx.tokenizer, processors=processors, **settings)
 
 
+def compact_counts(max_slots: int) -> list:
+    """The row counts of a step over fewer rows than the slots (scheduler.compact_rows)."""
+    return [n for n in (numerics.MIN_ROWS << i for i in range(max_slots.bit_length()))
+            if n < max_slots]
+
+
 def kv_buckets(max_len: int) -> list:
     """Every attention bucket a step can use (scheduler.kv_bucket)."""
     return sorted({kv_bucket(1 << i, max_len) for i in range(max_len.bit_length() + 1)})
@@ -361,7 +371,8 @@ def warmup_shapes(ctx: Context, max_prompt_len: int, top_logprobs: int = 0,
     """Compile every shape the engine can meet for prompts up to `max_prompt_len`: each
     prefill chunk program (length, attention bucket), the new rows of each prompt width, the
     flags and the step for each attention bucket, without logprobs and with `top_logprobs`
-    (the engine's two step variants; one program for any decode steps per call). Returns the
+    (the engine's two step variants; one program for any decode steps per call), over every
+    row and over each smaller row count a step may run (`compact_counts`). Returns the
     compilations."""
     before = decode.compilation_count()
     lengths = range(1, min(max_prompt_len, ctx.max_len - 1) + 1)
@@ -370,7 +381,8 @@ def warmup_shapes(ctx: Context, max_prompt_len: int, top_logprobs: int = 0,
                      for _, t, _, kv in chunk_plan(n, 0, chunk, ctx.max_len)})
     widths = sorted({decode.bucket(n, ctx.max_len) for n in lengths})
     state = ctx.backend.warmup(ctx.backend.empty_state(), shapes, widths,
-                               kv_buckets(ctx.max_len), sorted({0, top_logprobs}))
+                               kv_buckets(ctx.max_len), sorted({0, top_logprobs}),
+                               compact_counts(ctx.max_slots))
     jax.block_until_ready(state)
     return decode.compilation_count() - before
 

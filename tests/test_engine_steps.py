@@ -1,8 +1,10 @@
-"""Several decode steps per engine call (`jd.LLM(decode_steps=...)`, engine/scheduler.py): the
-same tokens, text, endings and usage as one step per call (SPEC X1), multi-step calls only while
-nothing waits, and a cancel that discards the call in flight (SPEC C2)."""
+"""What one engine step runs (engine/scheduler.py): several decode steps per call
+(`jd.LLM(decode_steps=...)`) -- the same tokens, text, endings and usage as one step per call
+(SPEC X1), multi-step calls only while nothing waits, a cancel that discards the call in flight
+(SPEC C2) -- and only the live rows' slots when they are few (compaction, the same tokens)."""
 
 import threading
+import types
 
 import jax
 import pytest
@@ -120,3 +122,59 @@ def test_decode_steps_not_with_speculative():
     with pytest.raises(ValueError, match="^decode_steps"):
         jd.LLM(model, {}, byte_tokenizer(), max_slots=1, max_len=16, decode_steps=2,
                speculative={"draft": "prompt_lookup", "k": 2})
+
+
+class _Ops:
+    """A step hook that keeps every published op."""
+
+    def __init__(self):
+        self.ops = []
+
+    def publish(self, op):
+        self.ops.append(op)
+
+
+def test_compaction_X1_few_live_rows_run_alone_with_the_same_tokens(llama):
+    model, params, tok = llama
+    sp = jd.SamplingParams(temperature=0.8, seed=5, max_tokens=24, ignore_eos=True,
+                           utf8_errors="replace", logprobs=1)
+    with jd.LLM(model, params, tok, max_slots=2, max_len=128) as llm:  # every row, always
+        full = llm.generate([[5, 6, 7]], sp)[0]
+    hook = _Ops()
+    with jd.LLM(model, params, tok, max_slots=8, max_len=128, step_hook=hook) as llm:
+        alone = llm.generate([[5, 6, 7]], sp)[0]
+        crowd = llm.generate([[5, 6, 7]] + [[i, i + 1] for i in range(1, 8)], sp)
+    assert (alone.token_ids, alone.logprobs) == (full.token_ids, full.logprobs)
+    assert (crowd[0].token_ids, crowd[0].logprobs) == (full.token_ids, full.logprobs)
+    rows = [op.arrays.get("rows") for op in hook.ops if op.name == "step"]
+    assert any(r is not None and list(r) == [0, 1] for r in rows)  # alone: 2 of 8 slots
+    assert any(r is None for r in rows)                           # crowded: every slot
+
+
+def test_compaction_rows_are_the_live_slots_and_idle_ones_to_a_power_of_two():
+    from jaxdecode.engine.pages import PagePool
+    from jaxdecode.engine.scheduler import Scheduler
+
+    s = Scheduler(16, 64, 8, PagePool(64, 16, False), 64, min_rows=2)
+    live = [types.SimpleNamespace(slot=i) for i in (3, 9, 14)]
+    assert list(s.compact_rows(live[:1])) == [0, 3]
+    assert list(s.compact_rows(live)) == [0, 3, 9, 14]
+    assert list(s.compact_rows(live + [types.SimpleNamespace(slot=i) for i in (4, 5)])) == [
+        0, 1, 2, 3, 4, 5, 9, 14]
+    assert s.compact_rows([types.SimpleNamespace(slot=i) for i in range(9)]) is None
+
+
+def test_save_request_of_a_request_that_ends_first_names_it(tmp_path):
+    """Its steps in flight may finish a request before the pause takes effect (8 tokens per
+    call here): saving it is a ValueError naming `request`, at once, not a timeout."""
+    import time
+
+    model = ScriptedModel.make([0] + [97] * 60, vocab_size=257)
+    with jd.LLM(model, {}, byte_tokenizer(), max_slots=2, max_len=64) as llm:
+        h = llm.submit([1, 2], jd.SamplingParams(temperature=0.0, max_tokens=3))
+        next(e for e in h.events(timeout=30) if e.kind == "delta")
+        t0 = time.perf_counter()
+        with pytest.raises(ValueError, match="^request"):
+            llm.save_request(h, str(tmp_path / "saved"), timeout=30)
+        assert time.perf_counter() - t0 < 10
+        assert h.result(timeout=30).text == "aaa"
