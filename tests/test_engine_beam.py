@@ -91,7 +91,8 @@ def test_beam_engine_S10_alongside_running_slot_requests(model, tok):
     ref = jd.generate(model, {}, [[5], [6, 7]], sp)
     ref_beam = jd.beam_search(model, {}, [[11, 12]], num_beams=3, max_new_tokens=8,
                               num_return_sequences=2)
-    with jd.LLM(model, {}, tok, max_slots=2, max_len=64) as llm:
+    # one decode step per call: the slot rows are still decoding when the beam call comes
+    with jd.LLM(model, {}, tok, max_slots=2, max_len=64, decode_steps=1) as llm:
         slots = [llm.submit([5], sp), llm.submit([6, 7], sp)]
         first = slots[0].events(timeout=60)
         while next(first).kind != "delta":  # the slot rows are decoding
@@ -134,12 +135,12 @@ def test_beam_engine_bad_fields_name_the_field(model, tok):
 
 
 def test_beam_engine_C3_C4_cancel_and_deadline_before_the_call(model, tok):
-    release = threading.Event()
+    started, release = threading.Event(), threading.Event()
     with jd.LLM(model, {}, tok, max_slots=2, max_len=64) as llm:
-        blocker = threading.Thread(target=llm._core.on_thread, args=(lambda: release.wait(30),))
-        blocker.start()  # the engine thread waits at a safe point
-        while not llm._core._jobs and blocker.is_alive():
-            pass
+        blocker = threading.Thread(target=llm._core.on_thread,
+                                   args=(lambda: (started.set(), release.wait(30)),))
+        blocker.start()
+        assert started.wait(30)  # the engine thread waits at a safe point
         cancelled = llm.submit([7, 8], beams(num_beams=2, max_tokens=5))
         late = llm.submit([7, 8], beams(num_beams=2, max_tokens=5, deadline_s=0.01))
         kept = llm.submit([7, 8], beams(num_beams=2, max_tokens=5))

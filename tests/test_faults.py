@@ -55,7 +55,8 @@ def check_culprit(c):
 
 def test_fault_a_request_that_fails_the_step_mid_run_fails_alone(model, tok):
     want = reference(model, tok)
-    with jd.LLM(model, {}, tok, max_slots=4, max_len=64) as llm:
+    # one decode step per call: the others have tokens when the mark fails step 5
+    with jd.LLM(model, {}, tok, max_slots=4, max_len=64, decode_steps=1) as llm:
         handles = [llm.submit(p, sp) for p, sp in zip(PROMPTS, PARAMS)]
         bad = llm.submit([4, CHAIN[0]], BAD)  # selects the mark at step 5, with the others
         check_culprit(bad.result(30))

@@ -272,8 +272,9 @@ def decode_step_jit(state: StepState, params: Any,
 def _loop(config: LoopConfig, params: Any, state: StepState,
           research_args: Optional[research_lib.ResearchArgs] = None,
           limit: Optional[Array] = None):
-    """The while-loop driver: at most `config.num_steps` steps (and at most `limit`, a traced
-    int32, when given), until every row is done.
+    """The while-loop driver: at most `config.num_steps` steps, until every row is done; with
+    `limit` (a traced int32, the engine's call) at most `limit` steps and at least one, so an
+    empty step still runs the model (the engine's device check after a failure).
     Returns the state, buffers (token, logprob, top ids, top logprobs) [B, num_steps, ...]
     (token -1 where a row selected nothing) and, with research options, step-major buffers
     [num_steps, ...] of each step's research outputs (`research.extras`; the host callback
@@ -302,8 +303,9 @@ def _loop(config: LoopConfig, params: Any, state: StepState,
 
     def more(carry):
         i, state = carry[:2]
-        go = (i < num_steps) & ~jnp.all(state.done)
-        return go if limit is None else go & (i < limit)
+        if limit is None:
+            return (i < num_steps) & ~jnp.all(state.done)
+        return (i < num_steps) & (i < limit) & ((i == 0) | ~jnp.all(state.done))
 
     _, state, buffers, extra = jax.lax.while_loop(more, body,
                                                   (jnp.int32(0), state, buffers, extra))

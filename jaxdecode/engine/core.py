@@ -16,7 +16,8 @@ tokens it already selected, and groups of suspects are retried, halving
 others go on selecting what they would have selected. When even an empty step fails, or no
 single request explains the failure, the device is at fault: the running requests fail. A
 request met by MAX_FAULTS failed steps fails too. `health` is degraded from a failed step until
-one succeeds (an idle degraded engine re-checks its device every second).
+one succeeds or recovery's empty step shows the device works (an idle degraded engine re-checks
+its device every second).
 """
 
 from __future__ import annotations
@@ -365,7 +366,9 @@ class EngineCore:
         except Exception as recovery_exc:  # never leave a suspect hanging
             logger.exception("engine recovery failed")
             found, reason = [], f"{reason}; recovery: {recovery_exc!r}"
-        if found == []:  # the device, or no single request explains it
+        if found != []:  # the empty probe passed: the device works
+            self.degraded = None
+        else:  # the device, or no single request explains it
             for r in suspects:
                 self.output.fail(r, ErrorCode.MODEL_ERROR, "the engine step failed and no "
                                  f"single request explains it: {reason}")
