@@ -14,9 +14,10 @@ request at the head does not fit, admission waits (the queue keeps its order).
 
 Multi-step decoding: a plain engine's step may run up to `decode_steps` decode steps in one
 device call, fewer host round trips per token (the tokens are those of single steps). It
-does so only when nothing waits for the device -- no queued request, no prompt prefilling --
-and every live stream has room for two such calls' deltas; otherwise one step per call, so a
-request that arrives waits for at most one multi-step call.
+does so only when nothing waits for the device -- no queued request, no prompt prefilling, no
+row before its first step (its first token comes after one step) -- and every live stream has
+room for two such calls' deltas; otherwise one step per call, so a request that arrives waits
+for at most one multi-step call.
 
 Compaction: when few rows decode, a step runs only their slots (and enough idle ones for a
 count of `min_rows` times a power of two): its cost follows the live rows, not max_slots, and
@@ -359,13 +360,13 @@ class Scheduler:
         return np.array(sorted(mine.union(others)), np.int32)
 
     def _steady(self, live: list, steps: int) -> bool:
-        """Nothing waits for the device and each live stream has room for two calls of
-        `steps` deltas (module docstring)."""
+        """Nothing waits for the device, every live row has had its first step dispatched and
+        each live stream has room for two calls of `steps` deltas (module docstring)."""
         with self.cond:
             if self.queue or self.prefilling:
                 return False
-        return all(r.lifecycle.stream.unsent + 2 * steps <= r.lifecycle.stream.max_buffered
-                   for r in live)
+        return all(r.dispatched > 0 and r.lifecycle.stream.unsent + 2 * steps
+                   <= r.lifecycle.stream.max_buffered for r in live)
 
     def step_shape(self, live: list, kv_needed: Callable[[Request, int], int],
                    logprobs_k: int, steps: int = 1) -> tuple[int, int]:
