@@ -29,8 +29,10 @@ demo: $(VENV)/.installed
 		--temperature 0.8 --top-p 0.95 --repetition-penalty 1.1 --seed 0
 
 # pytest exits 5 when it collects no test; that must not pass silently, nor crash make's logic.
+# Two workers (pytest-xdist), whole files each: module fixtures compile once per file.
+PYTEST_WORKERS ?= 2
 test: $(VENV)/.dev-installed
-	$(PY) -m pytest -q -p no:cacheprovider; rc=$$?; \
+	$(PY) -m pytest -q -p no:cacheprovider -n $(PYTEST_WORKERS) --dist loadfile; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests (exit 5)"; fi; exit $$rc
 
 bench: $(VENV)/.dev-installed
