@@ -366,9 +366,8 @@ class EngineCore:
         except Exception as recovery_exc:  # never leave a suspect hanging
             logger.exception("engine recovery failed")
             found, reason = [], f"{reason}; recovery: {recovery_exc!r}"
-        if found != []:  # the empty probe passed: the device works
-            self.degraded = None
-        else:  # the device, or no single request explains it
+        if found == []:  # the device, or no single request explains it
+            self.degraded = reason
             for r in suspects:
                 self.output.fail(r, ErrorCode.MODEL_ERROR, "the engine step failed and no "
                                  f"single request explains it: {reason}")
@@ -378,6 +377,7 @@ class EngineCore:
         """Fail the requests that fail alone; ([] , why) when the device fails empty."""
         try:
             self._probe([])
+            self.degraded = None  # an empty step works: healthy before any culprit's answer
             found = faults.find_culprits(suspects, probe) if suspects else None
         except Exception as device_exc:  # the device fails with no request on it
             return [], f"{type(device_exc).__name__}: {device_exc}"
