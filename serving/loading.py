@@ -1,11 +1,11 @@
-"""Model loading from command-line flags, shared by the `jaxdecode` command (jaxdecode/cli/)
-and `jaxdecode serve` (serving/server.py): `--model`, the `--speculative` flags, and engine
-errors reported with the flag that set the field.
+"""Model loading from command-line flags, shared by the `jaxdecode` command and the server
+(serving/server.py): `--model`, the `--speculative` flags, and engine errors reported with the
+flag that set the field.
 
-It lives in `serving`, the lower of the two applications: `jaxdecode.cli -> serving -> models,
-jaxdecode` is the dependency order (docs/architecture.md), so both import it without a cycle,
-`serving` never imports `jaxdecode.cli`, and nothing in `jaxdecode` outside the CLI imports
-`models`. `models` is imported inside the functions (this module is cheap to import).
+It lives in `serving`, the lower of the two applications: the command imports `serving`, which
+imports `models` and `jaxdecode` (docs/architecture.md), so both use this module without a
+cycle, `serving` never imports the command's package, and nothing in `jaxdecode` outside the
+command imports `models`. `models` is imported inside the functions (cheap to import).
 """
 
 from __future__ import annotations

@@ -197,8 +197,8 @@ def main(args: Any) -> int:
 
 
 def add_arguments(p: Any) -> None:
-    """The server's flags, speculative decoding's included: `jaxdecode serve`
-    (jaxdecode/cli/serve.py) and `python -m serving` (serving/__main__.py) take the same."""
+    """The server's flags, speculative decoding's included: `jaxdecode serve` and
+    `python -m serving` (serving/__main__.py) take the same."""
     from serving.loading import add_speculative_arguments
 
     p.add_argument("--model", default="demo", help="a local HF checkpoint directory, or 'demo'")
