@@ -42,6 +42,12 @@ from jaxdecode.engine.request import Request
 from jaxdecode.shapes import MIN_BUCKET, chunk_length, chunk_plan, kv_bucket
 
 
+def compact_counts(min_rows: int, max_slots: int) -> list[int]:
+    """The row counts of a step over fewer rows than the slots (compaction): `min_rows` times
+    a power of two, below max_slots."""
+    return [n for n in (min_rows << i for i in range(max_slots.bit_length())) if n < max_slots]
+
+
 class QueueFull(RuntimeError):
     """The admission queue is at `max_queue`; retry later (HTTP 429)."""
 
@@ -348,12 +354,11 @@ class Scheduler:
 
     def compact_rows(self, live: list) -> Optional[np.ndarray]:
         """The slots a step runs when that is fewer than all (module docstring): the live
-        ones and enough others, which select nothing, for a count of `min_rows` times a power
-        of two; None when that count reaches max_slots."""
-        count = self.min_rows
-        while count < len(live):
-            count *= 2
-        if count >= self.max_slots:
+        ones and enough others, which select nothing, for the least of `compact_counts` that
+        holds them; None when none does."""
+        count = next((n for n in compact_counts(self.min_rows, self.max_slots)
+                      if n >= len(live)), None)
+        if count is None:
             return None
         mine = {r.slot for r in live}
         others = [s for s in range(self.max_slots) if s not in mine][:count - len(mine)]

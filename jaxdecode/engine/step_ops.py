@@ -40,7 +40,7 @@ from jaxdecode.device.beam import beam_search
 from jaxdecode.device.constraints.tables import GrammarTables
 from jaxdecode.device.state import RowParams, StepState
 from jaxdecode.engine.backend import Pages, PlainBackend, SlotBackend, SpeculativeBackend
-from jaxdecode.engine.scheduler import chunk_plan, kv_bucket
+from jaxdecode.engine.scheduler import chunk_plan, compact_counts, kv_bucket
 from jaxdecode.model_api import DecoderModel, PagedKVCache
 
 VERSION = 3
@@ -355,12 +355,6 @@ def _beam(ctx: Context, a: Mapping[str, np.ndarray]) -> Any:
                        tokenizer=ctx.tokenizer, processors=processors, **settings)
 
 
-def compact_counts(max_slots: int) -> list:
-    """The row counts of a step over fewer rows than the slots (scheduler.compact_rows)."""
-    return [n for n in (numerics.MIN_ROWS << i for i in range(max_slots.bit_length()))
-            if n < max_slots]
-
-
 def kv_buckets(max_len: int) -> list:
     """Every attention bucket a step can use (scheduler.kv_bucket)."""
     return sorted({kv_bucket(1 << i, max_len) for i in range(max_len.bit_length() + 1)})
@@ -382,7 +376,7 @@ def warmup_shapes(ctx: Context, max_prompt_len: int, top_logprobs: int = 0,
     widths = sorted({decode.bucket(n, ctx.max_len) for n in lengths})
     state = ctx.backend.warmup(ctx.backend.empty_state(), shapes, widths,
                                kv_buckets(ctx.max_len), sorted({0, top_logprobs}),
-                               compact_counts(ctx.max_slots))
+                               compact_counts(numerics.MIN_ROWS, ctx.max_slots))
     jax.block_until_ready(state)
     return decode.compilation_count() - before
 
