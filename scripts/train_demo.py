@@ -6,9 +6,11 @@ Python standard library that ships with the interpreter running this script.
 
     # 1. the tokenizer alone (byte-level BPE, 4096 tokens, <|endoftext|> = id 0)
     python scripts/train_demo.py --tokenizer-only --out models/demo
-    # 2. the main demo model, then the small draft model (same tokenizer), on CPU
+    # 2. the main demo model, then the small draft model (same tokenizer), distilled from it
     python scripts/train_demo.py --kind main  --minutes 85 --out models/demo
-    python scripts/train_demo.py --kind draft --minutes 12 --out models/demo
+    python scripts/train_demo.py --kind draft --minutes 25 --teacher models/demo --out models/demo
+    # or: start from an earlier run's model (widened to this run's heads when it has fewer)
+    python scripts/train_demo.py --kind main --minutes 65 --init-from old_run --out models/demo
     # smoke test: a tiny model for one minute into a scratch directory
     python scripts/train_demo.py --kind main --minutes 1 --tiny --out /tmp/demo-smoke
 
@@ -34,6 +36,12 @@ time whatever the machine's speed or load. Every `--save-every` minutes the curr
 written atomically (temp file + rename) to `<out>/<kind>.safetensors` and `<out>/<kind>.json`,
 so an interrupted run still leaves a usable model. The config JSON carries the training record
 (`val_loss`, `train_minutes`, `tokens_seen`, `steps`, ...) that the model card refers to.
+
+`--init-from DIR` starts from DIR's model instead of random weights; a model without GQA is
+widened to this run's query / KV heads keeping its function (`expand_heads`). `--teacher DIR`
+distils: the loss is the cross-entropy against DIR's `main` model's next-token distribution at
+every position (the teacher frozen) instead of the data's next token. The training record
+names both by SHA-256 (`init_from`, `distilled_from`). MODEL_CARD.md lists the shipped runs.
 
 Output files: `tokenizer.json`, `<kind>.safetensors` (flat names: `embed`, `final_norm`,
 `layers.0.q`, ...), `<kind>.json` (LlamaConfig fields + `training` record).
@@ -67,12 +75,13 @@ MULTILINGUAL_MIN_CHARS = 40
 EXTRA_PACKAGES = ["jax", "numpy", "flax", "optax", "orbax"]
 SKIP_DIRS = {"site-packages", "__pycache__", "test", "tests", "idle_test"}
 
-# Model sizes. head_dim 64; intermediate ~ 8/3 d rounded to a multiple of 32.
+# Model sizes. Query and KV head counts of `main` divide by 2 and 4 (tensor-parallel meshes of 2
+# and 4 devices shard it by KV head); 8 query heads share 4 KV heads (grouped-query attention).
 SIZES = {
-    "main": dict(hidden_size=192, num_layers=4, num_heads=3, num_kv_heads=3, head_dim=64,
+    "main": dict(hidden_size=192, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=64,
                  intermediate_size=512, ctx=128, batch=64, lr=3e-3),
-    "draft": dict(hidden_size=96, num_layers=2, num_heads=2, num_kv_heads=2, head_dim=48,
-                  intermediate_size=256, ctx=128, batch=64, lr=4e-3),
+    "draft": dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
+                  intermediate_size=384, ctx=128, batch=64, lr=4e-3),
     "tiny": dict(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=2, head_dim=16,
                  intermediate_size=64, ctx=64, batch=8, lr=3e-3),
 }
@@ -260,6 +269,53 @@ def save_model(out_dir: str, kind: str, config, params, training: dict) -> None:
     atomic_write(os.path.join(out_dir, f"{kind}.json"), write_json)
 
 
+# -- initialisation from an earlier run -----------------------------------------------------------
+
+def expand_heads(params: dict, old, new, rng: np.random.Generator, scale: float = 0.02) -> dict:
+    """Widen a model without grouped-query attention (H = KVH) to `new`'s heads, keeping its
+    function (Net2Net-style): old head j becomes KV head j and query head j * G (G = new H / new
+    KVH); the added query/KV columns are random N(0, scale) and the added rows of `o` are zero,
+    so the added heads contribute nothing until training moves them. Everything else must match.
+    """
+    same = ("hidden_size", "num_layers", "head_dim", "intermediate_size", "vocab_size")
+    if old.num_heads != old.num_kv_heads or any(getattr(old, f) != getattr(new, f) for f in same):
+        raise ValueError(f"--init-from: cannot expand {old} into {new}")
+    g, hd = new.num_heads // new.num_kv_heads, new.head_dim
+    if new.num_kv_heads < old.num_kv_heads or new.num_heads % new.num_kv_heads:
+        raise ValueError(f"--init-from: {old.num_heads} heads do not fit {new.num_heads} query / "
+                         f"{new.num_kv_heads} KV heads")
+    d = new.hidden_size
+
+    def widen(w, heads, placed, axis):
+        shape = list(w.shape)
+        shape[axis] = heads * hd
+        out = (rng.normal(0.0, scale, shape) if axis == 1 else np.zeros(shape)).astype(np.float32)
+        for j, slot in enumerate(placed):
+            src = [slice(None)] * 2
+            dst = [slice(None)] * 2
+            src[axis], dst[axis] = slice(j * hd, (j + 1) * hd), slice(slot * hd, (slot + 1) * hd)
+            out[tuple(dst)] = np.asarray(w)[tuple(src)]
+        return out
+
+    kv_slots = list(range(old.num_kv_heads))
+    q_slots = [j * g for j in range(old.num_heads)]
+    layers = []
+    for layer in params["layers"]:
+        layer = dict(layer)
+        assert layer["q"].shape == (d, old.num_heads * hd)
+        layer["q"] = widen(layer["q"], new.num_heads, q_slots, 1)
+        layer["k"] = widen(layer["k"], new.num_kv_heads, kv_slots, 1)
+        layer["v"] = widen(layer["v"], new.num_kv_heads, kv_slots, 1)
+        layer["o"] = widen(layer["o"], new.num_heads, q_slots, 0)
+        layers.append(layer)
+    return {**params, "layers": layers}
+
+
+def file_sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
 # -- training -------------------------------------------------------------------------------------
 
 def lr_at(frac: float, peak: float, warmup_frac: float, final_frac: float = 0.1) -> float:
@@ -295,6 +351,12 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=float, default=0.03, help="warmup as a fraction of time")
     ap.add_argument("--val-tokens", type=int, default=200_000,
                     help="cap on held-out tokens evaluated (all when smaller)")
+    ap.add_argument("--init-from", default="",
+                    help="start from the <kind> model in this directory instead of random weights "
+                         "(a model without GQA is widened to this run's heads, see expand_heads)")
+    ap.add_argument("--teacher", default="",
+                    help="distil: train on the `main` model in this directory's next-token "
+                         "distributions (soft cross-entropy) instead of the data's tokens")
     ap.add_argument("--bench-steps", type=int, default=0,
                     help="only time this many train steps (no saving) and exit")
     args = ap.parse_args(argv)
@@ -345,12 +407,41 @@ def main(argv=None) -> int:
                          rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=True, **size)
     model = Llama(config)
     key = jax.random.PRNGKey(args.seed)
-    params = model.init_params(key, jnp.float32, scale=0.02)
-    # GPT-2 style: residual output projections scaled down by 1/sqrt(2 * layers).
-    resid = 1.0 / math.sqrt(2 * config.num_layers)
-    for layer in params["layers"]:
-        layer["o"] = layer["o"] * resid
-        layer["down"] = layer["down"] * resid
+    init_record = None
+    if args.init_from:
+        from models.demo import load, load_config
+
+        old_model, old_params, _ = load(args.kind, args.init_from)
+        old = dataclasses.replace(old_model.config, max_len=config.max_len,
+                                  sliding_window=config.sliding_window)
+        params = jax.tree_util.tree_map(np.asarray, old_params)
+        if (old.num_heads, old.num_kv_heads) != (config.num_heads, config.num_kv_heads):
+            params = expand_heads(params, old, config, np.random.default_rng(args.seed))
+        params = jax.tree_util.tree_map(jnp.asarray, params)
+        prev = load_config(args.kind, args.init_from).get("training", {})
+        init_record = {"sha256": file_sha256(os.path.join(args.init_from,
+                                                          f"{args.kind}.safetensors")),
+                       "num_heads": old.num_heads, "num_kv_heads": old.num_kv_heads,
+                       "val_loss": prev.get("val_loss"), "train_minutes": prev.get("train_minutes"),
+                       "tokens_seen": prev.get("tokens_seen")}
+        log(f"initialised from {args.init_from}/{args.kind}.safetensors "
+            f"({old.num_heads} heads -> {config.num_heads} query / {config.num_kv_heads} KV)")
+    else:
+        params = model.init_params(key, jnp.float32, scale=0.02)
+        # GPT-2 style: residual output projections scaled down by 1/sqrt(2 * layers).
+        resid = 1.0 / math.sqrt(2 * config.num_layers)
+        for layer in params["layers"]:
+            layer["o"] = layer["o"] * resid
+            layer["down"] = layer["down"] * resid
+    teacher = teacher_params = teacher_record = None
+    if args.teacher:
+        from models.demo import load, load_config
+
+        teacher, teacher_params, _ = load("main", args.teacher)
+        teacher_record = {"sha256": file_sha256(os.path.join(args.teacher, "main.safetensors")),
+                          "val_loss": load_config("main", args.teacher)
+                          .get("training", {}).get("val_loss")}
+        log(f"distilling from {args.teacher}/main.safetensors")
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(params))
     log(f"model {args.kind}{' (tiny)' if args.tiny else ''}: {n_params / 1e6:.2f}M params, "
         f"d={config.hidden_size} L={config.num_layers} H={config.num_heads}x{config.head_dim} "
@@ -368,9 +459,12 @@ def main(argv=None) -> int:
     opt_state = opt.init(params)
 
     def loss_fn(p, x, y):
-        logits = model.logits(p, x)
-        logp = jax.nn.log_softmax(logits, axis=-1)
-        return -jnp.mean(jnp.take_along_axis(logp, y[..., None], axis=-1))
+        logp = jax.nn.log_softmax(model.logits(p, x), axis=-1)
+        if teacher is None:
+            return -jnp.mean(jnp.take_along_axis(logp, y[..., None], axis=-1))
+        # distillation: cross-entropy against the teacher's whole next-token distribution
+        target = jax.nn.softmax(jax.lax.stop_gradient(teacher.logits(teacher_params, x)), -1)
+        return -jnp.mean(jnp.sum(target * logp, axis=-1))
 
     @jax.jit
     def train_step(p, s, x, y, lr):
@@ -429,6 +523,8 @@ def main(argv=None) -> int:
             "packages": pkg_versions,
             "python": sys.version.split()[0],
             "finished": final,
+            "init_from": init_record,
+            "distilled_from": teacher_record,
             "val_history": history,
             "script": "scripts/train_demo.py",
         }

@@ -73,6 +73,21 @@ SCRIPT = textwrap.dedent(r"""
             "generate": jd.generate(model, sp, prompts, greedy).token_ids.tolist(),
         }
         out[name]["engine"], out[name]["state"] = engine(sp, mesh)
+
+    # the embedded demo model (8 query / 4 KV heads) on tensor-parallel meshes of 2 and 4 (the
+    # engine's mesh path is the same code, checked on the model above)
+    model, params, demo_tok = models.demo()
+    prompts = [demo_tok.encode(t).ids for t in ("def fibonacci(n):", "import os\n", "class A:")]
+    greedy = jd.SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True,
+                               utf8_errors="replace")
+    out["demo"] = {"reference": jd.generate(model, params, prompts, greedy).token_ids.tolist()}
+    for n in (2, 4):
+        mesh = models.make_mesh(1, n)
+        sp = models.shard_params(params, mesh)
+        out["demo"][f"1x{n}"] = {
+            "params": {k: spec(v) for k, v in sp["layers"][0].items()},
+            "replicated": models.sharding.unmatched(params),
+            "generate": jd.generate(model, sp, prompts, greedy).token_ids.tolist()}
     print("RESULT" + json.dumps(out))
 """)
 
@@ -111,6 +126,17 @@ def test_rules_fall_back_to_replicated_1x8(mesh_run):
 def test_sharded_generate_matches_unsharded(mesh_run):
     for name in NAMES:  # meshes of 2, 4 and 8 devices
         assert mesh_run[name]["generate"] == mesh_run["reference"], name
+
+
+@pytest.mark.parametrize("name", ["1x2", "1x4"])
+def test_demo_model_shards_over_2_and_4_devices(mesh_run, name):
+    demo = mesh_run["demo"]
+    r = demo[name]
+    for leaf in ("q", "k", "v", "gate", "up"):  # 8 query / 4 KV heads: every projection splits
+        assert r["params"][leaf] == [None, "model"], leaf
+    assert r["params"]["o"] == ["model"] and r["params"]["down"] == ["model"]
+    assert r["replicated"] == []
+    assert r["generate"] == demo["reference"]
 
 
 def test_engine_with_mesh_matches_and_shards_the_cache(mesh_run):
