@@ -49,7 +49,7 @@ def samples(directory: str | None, n: int, max_tokens: int, temperature: float) 
                             utf8_errors="replace") for s in range(n)]
     out = jd.generate(model, params, [[0]] * n, sp)
     result = []
-    for ids, length, reason in zip(out.token_ids, out.lengths, out.finish_reasons):
+    for ids, length in zip(out.token_ids, out.lengths):
         ids = [int(i) for i in ids[:int(length)]]
         finished = bool(ids) and ids[-1] == 0
         result.append((tok.decode([i for i in ids if i != 0]), finished))

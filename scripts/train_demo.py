@@ -407,10 +407,10 @@ def main(argv=None) -> int:
                          rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=True, **size)
     model = Llama(config)
     key = jax.random.PRNGKey(args.seed)
+    from models.demo import load, load_config
+
     init_record = None
     if args.init_from:
-        from models.demo import load, load_config
-
         old_model, old_params, _ = load(args.kind, args.init_from)
         old = dataclasses.replace(old_model.config, max_len=config.max_len,
                                   sliding_window=config.sliding_window)
@@ -435,8 +435,6 @@ def main(argv=None) -> int:
             layer["down"] = layer["down"] * resid
     teacher = teacher_params = teacher_record = None
     if args.teacher:
-        from models.demo import load, load_config
-
         teacher, teacher_params, _ = load("main", args.teacher)
         teacher_record = {"sha256": file_sha256(os.path.join(args.teacher, "main.safetensors")),
                           "val_loss": load_config("main", args.teacher)
