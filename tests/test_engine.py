@@ -174,8 +174,10 @@ def test_deadline_C3_is_its_own_reason_and_flushes_held_text(tok):
     model = HookedModel.make([0] + [101, 102] * 60, "slow", vocab_size=V, max_len=256,
                              eos_token_ids=(EOS,))
     with jd.LLM(model, {}, tok, max_slots=2, max_len=256) as llm:
-        llm.generate([[7, 8]], greedy(2))  # compile first: the deadline is for decoding
-        c = llm.generate([[7, 8]], greedy(200, stop=["ABCDX"], deadline_s=0.3))[0]
+        # The same request without a deadline first, so that every program it needs (the KV
+        # bucket of 2 + 200 tokens among them) is compiled: the deadline is for decoding only.
+        llm.generate([[7, 8]], greedy(200, stop=["ABCDX"]))
+        c = llm.generate([[7, 8]], greedy(200, stop=["ABCDX"], deadline_s=0.5))[0]
     assert c.finish_reason == jd.FinishReason.DEADLINE_EXCEEDED
     assert c.state == jd.RequestState.FINISHED
     path = [e.data["to"] for e in c.events if e.kind == "lifecycle"]

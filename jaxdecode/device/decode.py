@@ -57,16 +57,20 @@ _compiles_lock = threading.Lock()
 
 def _on_event(name: str, *args, **kwargs) -> None:
     global _compiles
-    if name == "/jax/core/compile/backend_compile_duration":
+    if name in ("/jax/core/compile/backend_compile_duration",
+                "/jax/compilation_cache/cache_hits"):
         with _compiles_lock:
             _compiles += 1
 
 
 jax.monitoring.register_event_duration_secs_listener(_on_event)
+jax.monitoring.register_event_listener(_on_event)
 
 
 def compilation_count() -> int:
-    """XLA backend compilations in this process so far."""
+    """XLA programs this process has built so far: compiled by the backend, or loaded from JAX's
+    persistent compilation cache (`jax_compilation_cache_dir`) -- a program loaded from disk
+    is a new program all the same."""
     return _compiles
 
 
