@@ -67,6 +67,13 @@ class KVCache:
         """Keys and values [B, kv_heads, kv_len, head_dim] of positions [0, kv_len)."""
         return self.k[layer, :, :, :kv_len], self.v[layer, :, :, :kv_len]
 
+    def read_positions(self, layer: int, index: Array) -> tuple[Array, Array]:
+        """Keys and values [B, kv_heads, S, head_dim] at positions index int32[B, S] of each row
+        (a position past max_len reads the last one: the caller masks it)."""
+        at = jnp.minimum(index, self.max_len - 1)[:, None, :, None]
+        return (jnp.take_along_axis(self.k[layer], at, axis=2),
+                jnp.take_along_axis(self.v[layer], at, axis=2))
+
 
 @struct.dataclass
 class PagedKVCache:
@@ -142,6 +149,19 @@ class PagedKVCache:
 
         return gather(self.k), gather(self.v)
 
+    def read_positions(self, layer: int, index: Array) -> tuple[Array, Array]:
+        """Keys and values [B, kv_heads, S, head_dim] at positions index int32[B, S] of each row,
+        through its page table (a position past max_len reads a valid page: the caller masks
+        it)."""
+        index = jnp.minimum(index, self.max_len - 1)
+        page = jnp.take_along_axis(self.page_table, index // self.page_size, axis=1)
+        offset = index % self.page_size
+
+        def gather(pool):
+            return pool[layer][:, page, offset].transpose(1, 0, 2, 3)  # [B, kvh, S, hd]
+
+        return gather(self.k), gather(self.v)
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
@@ -161,7 +181,8 @@ class DecoderModel(Protocol):
     """A causal decoder reached only through `forward` and `init_cache`.
 
     `forward(params, tokens, positions, cache, *, lengths)`:
-      tokens, positions: int32[B, T], right-padded; lengths: int32[B] real tokens per row.
+      tokens, positions: int32[B, T], right-padded; lengths: int32[B] real tokens per row,
+      which sit at consecutive positions.
       Writes K/V of each real token at its absolute position (padding is never written), lets a
       query at position p attend to cache entries 0..p of its row, and returns
       (logits f32[B, T, vocab_size], cache with lengths = one past the last written position).

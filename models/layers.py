@@ -154,8 +154,10 @@ def attention(q: Array, k: Array, v: Array, q_pos: Array, k_pos: Array,
     Batch invariant by construction: the keys are cut into blocks of ATTN_BLOCK (the last one
     zero-padded and masked) and the block is a batch axis of both products, so every (row, kv
     head, block) is one product of fixed shape whatever B and S are; the maximum is exact and
-    the softmax denominator and the sum over blocks are `fixed_sum`s, to which masked keys and
-    blocks add exact zeros. A longer cache or attention bucket changes no bit of a row. With at
+    the softmax denominator and the sum over blocks are `block_sum`s (a fixed tree inside a
+    block, blocks left to right), to which masked keys and whole masked blocks at either end add
+    exact zeros. A longer cache, another attention bucket or a block-aligned window of the
+    cache (`window_span`) changes no bit of a row. With at
     most ELEMENTWISE_QUERY_ROWS query rows per kv head (decode, speculative verification) the
     same holds without products (`_attention_elementwise`); which path runs depends only on the
     static T and G, never on the batch.
@@ -185,13 +187,46 @@ def attention(q: Array, k: Array, v: Array, q_pos: Array, k_pos: Array,
     probs = _softmax_numerator(scores.reshape(b, kvh, nb, t, g, ATTN_BLOCK),
                                k_pos.reshape(b, 1, nb, 1, 1, ATTN_BLOCK),
                                q_pos.reshape(b, 1, 1, t, 1, 1), sliding_window, (2, 5))
-    total = fixed_sum(fixed_sum(probs, -1), 2)                          # [B, KVH, T, G]
+    total = fold_blocks(fixed_sum(probs, -1), 2)                        # [B, KVH, T, G]
     probs = probs.reshape(b, kvh, nb, t * g, ATTN_BLOCK).astype(v.dtype)
     probs = jnp.pad(probs, ((0, 0), (0, 0), (0, 0), (0, rows - t * g), (0, 0)))
-    out = fixed_sum(jnp.einsum("bknqs,bknsd->bknqd", probs, blocks(v)), 2)[:, :, :t * g]
+    out = fold_blocks(jnp.einsum("bknqs,bknsd->bknqd", probs, blocks(v)), 2)[:, :, :t * g]
     # a padded query may see nothing: zeros rather than NaN
     out = out.reshape(b, kvh, t, g, d) / jnp.where(total > 0, total, 1.0)[..., None]
     return out.astype(q.dtype).transpose(0, 2, 1, 3, 4).reshape(b, t, h, d)
+
+
+def block_sum(x: Array, axis: int) -> Array:
+    """Sum over a key axis of whole ATTN_BLOCKs: `fixed_sum`'s tree inside each block, then the
+    blocks added left to right. Whole zero blocks at either end (masked keys) add exact zeros
+    and change no bit, so attention over a block-aligned window of the cache equals attention
+    over the whole cache (`window_span`)."""
+    axis = axis % x.ndim
+    nb = x.shape[axis] // ATTN_BLOCK
+    x = fixed_sum(x.reshape(x.shape[:axis] + (nb, ATTN_BLOCK) + x.shape[axis + 1:]), axis + 1)
+    return fold_blocks(x, axis)
+
+
+def fold_blocks(x: Array, axis: int) -> Array:
+    """Sum over the block axis `axis`, left to right (see `block_sum`)."""
+    total = jax.lax.index_in_dim(x, 0, axis, keepdims=False)
+    for j in range(1, x.shape[axis]):
+        total = total + jax.lax.index_in_dim(x, j, axis, keepdims=False)
+    return total
+
+
+def window_span(t: int, window: int) -> int:
+    """Keys (static, whole ATTN_BLOCKs) that cover every key a call of `t` consecutive query
+    positions can see under a sliding `window`, from a block-aligned start (`window_start`)."""
+    return ATTN_BLOCK * (-(-(t + window - 1) // ATTN_BLOCK) + 1)
+
+
+def window_start(positions: Array, lengths: Array, window: int) -> Array:
+    """int32[B]: the block-aligned first key position of each row's window read -- the block of
+    its first query's earliest visible key. A row's real tokens sit at consecutive positions
+    (the DecoderModel protocol), so [start, start + window_span) holds every key they see."""
+    first = jnp.where(lengths > 0, positions[:, 0], 0)
+    return jnp.maximum(first - window + 1, 0) // ATTN_BLOCK * ATTN_BLOCK
 
 
 def _softmax_numerator(scores: Array, kp: Array, qp: Array, sliding_window: Optional[int],
@@ -226,10 +261,10 @@ def _attention_elementwise(q: Array, k: Array, v: Array, q_pos: Array, k_pos: Ar
     scores = jax.lax.optimization_barrier(fixed_sum(products, -1) * scale)  # [B, KVH, T, G, S]
     probs = _softmax_numerator(scores, k_pos.reshape(b, 1, 1, 1, s),
                                q_pos.reshape(b, 1, t, 1, 1), sliding_window, (4,))
-    total = fixed_sum(probs, -1)                                          # [B, KVH, T, G]
+    total = block_sum(probs, -1)                                          # [B, KVH, T, G]
     weighted = jax.lax.optimization_barrier(
         probs[..., None] * v.astype(f32)[:, :, None, None])              # [B, KVH, T, G, S, D]
-    out = fixed_sum(weighted, 4) / jnp.where(total > 0, total, 1.0)[..., None]
+    out = block_sum(weighted, 4) / jnp.where(total > 0, total, 1.0)[..., None]
     return out.astype(q.dtype).transpose(0, 2, 1, 3, 4).reshape(b, t, h, d)
 
 
@@ -269,8 +304,16 @@ class CachedDecoder:
             cache = cache.write(i, k, v, write_pos)
             if kernel is not None and window is None:
                 return kernel(q, cache, i, positions[:, 0] + 1, kv_len, scale)
-            keys, values = cache.read(i, kv_len)
-            return attention(q, keys.astype(q.dtype), values.astype(q.dtype), positions, k_pos,
+            if window is not None and window_span(tokens.shape[1], window) < kv_len:
+                # a sliding window reads its own blocks only: same bits, less work
+                index = (window_start(positions, lengths, window)[:, None]
+                         + jnp.arange(window_span(tokens.shape[1], window), dtype=jnp.int32))
+                keys, values = cache.read_positions(i, index)
+                key_pos = index  # keys past max_len (clipped reads) sit past every query
+            else:
+                keys, values = cache.read(i, kv_len)
+                key_pos = k_pos
+            return attention(q, keys.astype(q.dtype), values.astype(q.dtype), positions, key_pos,
                              window, scale)
 
         logits = self._run(params, tokens, positions, attend, ROW_TILE, hook)

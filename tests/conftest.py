@@ -15,32 +15,9 @@ from __future__ import annotations
 
 import gc
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import pytest
-
-# One persistent compilation cache for the whole run, set before jax is imported: both xdist
-# workers and every subprocess a test starts (CLI, servers, meshes, notebooks) inherit it, so a
-# program that another test or process has compiled (same model, shapes and flags) is loaded
-# from disk. It changes no program; `jd.compilation_count()` counts loads as compilations, so
-# the no-recompile tests stay strict. A run that sets JAX_COMPILATION_CACHE_DIR itself keeps it.
-_OWN_JAX_CACHE = None
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-    _OWN_JAX_CACHE = tempfile.mkdtemp(prefix="jaxdecode-test-jax-cache-")
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWN_JAX_CACHE
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
-# A size bound turns on the cache's file lock, which workers and subprocesses writing together need.
-os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(8 << 30))
-
-
-def pytest_unconfigure(config):
-    if _OWN_JAX_CACHE is not None and not hasattr(config, "workerinput"):
-        shutil.rmtree(_OWN_JAX_CACHE, ignore_errors=True)
-
 
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
