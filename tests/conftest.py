@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
     yield

@@ -283,8 +283,7 @@ def _wait_http(url: str, procs: list, timeout: float = 300) -> None:
 
 
 @pytest.mark.skipif(not os.path.exists(DEMO_WEIGHTS), reason="demo weights are not present")
-@pytest.mark.parametrize("processes", [2])
-def test_serve_distributed_processes_on_cpu(processes):
+def test_serve_distributed_processes_on_cpu():
     """`jaxdecode serve --distributed` in two processes (process 0 serves HTTP, process 1
     follows; the mesh spans both; gloo CPU collectives) answers greedy, sampled (n=2), beam, and
     constrained requests with logprobs -- greedy and beams like the single-process engine -- and
@@ -294,6 +293,7 @@ def test_serve_distributed_processes_on_cpu(processes):
 
     import models
 
+    processes = 2
     coord, http = free_port(), free_port()
     env = dict(_env(8 // processes), JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo")
     procs = [_serve(i, processes, coord, http, "data=2,model=4", env) for i in range(processes)]
@@ -324,12 +324,11 @@ def test_serve_distributed_processes_on_cpu(processes):
         codes = [p.wait(timeout=120) for p in procs]
         errs = [p.stderr.read() for p in procs]
     assert codes == [0] * processes, [e[-2000:] for e in errs]
-    if processes == 2:
-        events = [json.loads(x) for x in errs[1].splitlines() if x.startswith("{")]
-        start = [e for e in events if e["event"] == "follower.start"]
-        stop = [e for e in events if e["event"] == "follower.stop"]
-        assert start and start[0]["process"] == 1 and start[0]["devices"] == 8, errs[1][-2000:]
-        assert stop and stop[0]["ops"] > 10, errs[1][-2000:]
+    events = [json.loads(x) for x in errs[1].splitlines() if x.startswith("{")]
+    start = [e for e in events if e["event"] == "follower.start"]
+    stop = [e for e in events if e["event"] == "follower.stop"]
+    assert start and start[0]["process"] == 1 and start[0]["devices"] == 8, errs[1][-2000:]
+    assert stop and stop[0]["ops"] > 10, errs[1][-2000:]
     model, params, tok = models.demo()
     with jd.LLM(model, params, tok, max_slots=2, max_len=128) as llm:
         [ref] = llm.generate("def main():", jd.SamplingParams(temperature=0, max_tokens=12))

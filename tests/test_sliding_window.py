@@ -67,7 +67,7 @@ def test_windowed_model_reads_its_window_with_the_same_bits(windowed_model, monk
     jax.clear_caches()
 
 
-def test_paged_engine_in_chunks_equals_generate_on_a_windowed_model(windowed_model):
+def test_sampling_X1_windowed_paged_engine_in_chunks_equals_generate(windowed_model):
     model, params = windowed_model
     sp = jd.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1,
                            utf8_errors="replace")

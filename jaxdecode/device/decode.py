@@ -57,20 +57,16 @@ _compiles_lock = threading.Lock()
 
 def _on_event(name: str, *args, **kwargs) -> None:
     global _compiles
-    if name in ("/jax/core/compile/backend_compile_duration",
-                "/jax/compilation_cache/cache_hits"):
+    if name == "/jax/core/compile/backend_compile_duration":
         with _compiles_lock:
             _compiles += 1
 
 
 jax.monitoring.register_event_duration_secs_listener(_on_event)
-jax.monitoring.register_event_listener(_on_event)
 
 
 def compilation_count() -> int:
-    """XLA programs this process has built so far: compiled by the backend, or loaded from JAX's
-    persistent compilation cache (`jax_compilation_cache_dir`) -- a program loaded from disk
-    is a new program all the same."""
+    """XLA backend compilations in this process so far."""
     return _compiles
 
 
