@@ -9,15 +9,43 @@ Names: see `HF_CHECKPOINTS`.
 every compiled program's machine code mapped (about six memory maps each), and the suite's
 thousands of compilations in one process would exhaust `vm.max_map_count` (65530), after which
 LLVM fails with "Cannot allocate memory" and the process crashes.
+
+A persistent compilation cache per xdist worker (`JAX_COMPILATION_CACHE_DIR`, set before jax
+is imported): the programs that module release drops, and those the many engines of the tests
+rebuild, are loaded from disk instead of compiled again. The subprocesses a test starts (CLI,
+servers, notebooks) inherit the worker's directory. No size bound, so jax takes no file lock
+(a locked cache shared by both workers stalled compiles past request deadlines); an entry read
+while another process writes it is a miss (a warning, then a compile). `jd.compilation_count()`
+counts cache loads, so the no-recompile tests stay strict. A run that sets the variable itself
+keeps it.
 """
 
 from __future__ import annotations
 
 import gc
 import json
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
+
+_CACHE_ROOT = os.environ.get("JAXDECODE_TEST_CACHE_ROOT")
+_OWN_CACHE_ROOT = _CACHE_ROOT is None and "JAX_COMPILATION_CACHE_DIR" not in os.environ
+if _OWN_CACHE_ROOT:  # the controller (or a run without xdist); the workers inherit the root
+    _CACHE_ROOT = os.environ["JAXDECODE_TEST_CACHE_ROOT"] = tempfile.mkdtemp(
+        prefix="jaxdecode-test-jax-cache-")
+if _CACHE_ROOT is not None:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(
+        _CACHE_ROOT, os.environ.get("PYTEST_XDIST_WORKER", "main"))
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
+
+def pytest_unconfigure(config):
+    if _OWN_CACHE_ROOT:
+        shutil.rmtree(_CACHE_ROOT, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -27,6 +55,7 @@ def _release_compiled_programs():
 
     jax.clear_caches()
     gc.collect()
+
 
 # Tiny sizes: 2 layers, 4 heads (2 KV heads where the family has GQA), vocab 128.
 VOCAB = 128

@@ -1,5 +1,10 @@
 """SPEC §2, §3 (P2, P3), §5 (device stops), X1, and the jitted core's compile behaviour."""
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import jax
 import numpy as np
 import pytest
@@ -72,7 +77,9 @@ def test_decode_one_body_two_drivers_same_tokens(tiny):
 
 def test_decode_no_recompile_for_new_requests_in_seen_bucket(tiny):
     model, params = tiny
-    jd.generate(model, params, [[5, 6, 7], [8]], [greedy(20), jd.SamplingParams(seed=1)])
+    # the warm-up's shapes are the loop's: 2 rows, prompts in one bucket, 9 new tokens at most
+    jd.generate(model, params, [[5, 6, 7], [8]],
+                [greedy(9), jd.SamplingParams(seed=1, max_tokens=9)])
     before = jd.compilation_count()
     for i in range(3):
         jd.generate(model, params, [[5 + i] * (3 + i), [8, 9]],
@@ -81,6 +88,33 @@ def test_decode_no_recompile_for_new_requests_in_seen_bucket(tiny):
                      jd.SamplingParams(min_p=0.1, repetition_penalty=1.1 + i, max_tokens=9,
                                        logit_bias={3: 1.0}, banned_token_ids=(4,))])
     assert jd.compilation_count() == before
+
+
+def test_compilation_count_counts_programs_loaded_from_the_persistent_cache(tmp_path):
+    """A program loaded from JAX's persistent cache is a new program for the no-recompile
+    checks (the test run keeps such a cache, tests/conftest.py)."""
+    script = textwrap.dedent("""
+        import jax, jax.numpy as jnp, jaxdecode as jd
+        f = lambda x: jnp.sin(x) * 2 + 1
+        x = jnp.ones(3)
+        jax.jit(f)(x).block_until_ready()
+        first = jd.compilation_count()
+        jax.jit(f)(x).block_until_ready()
+        again = jd.compilation_count()
+        jax.clear_caches()
+        jax.jit(f)(x).block_until_ready()
+        print(first, again, jd.compilation_count(), len(__import__("os").listdir(%r)))
+    """ % str(tmp_path))
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(tmp_path),
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    first, again, loaded, entries = map(int, proc.stdout.split())
+    assert entries >= 1 and first >= 1  # f was written to the cache
+    assert again == first  # the in-memory cache: nothing new
+    assert loaded == first + 1  # f loaded from disk counts once
 
 
 def test_decode_logprobs_are_raw_model_logprobs(tiny):

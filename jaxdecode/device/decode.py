@@ -43,7 +43,6 @@ from jaxdecode.shapes import MIN_BUCKET, bucket  # noqa: F401 (decode.bucket is 
 Array = jax.Array
 
 
-
 def cache_len(longest_prompt: int, max_new: int, max_len: int) -> int:
     """The cache length `generate` / `beam_search` allocate for these prompts and new tokens."""
     return min(max_len, bucket(bucket(longest_prompt, max_len) + max_new))
@@ -66,7 +65,9 @@ jax.monitoring.register_event_duration_secs_listener(_on_event)
 
 
 def compilation_count() -> int:
-    """XLA backend compilations in this process so far."""
+    """XLA programs this process has built so far: compiled by the backend or loaded from JAX's
+    persistent compilation cache (`jax_compilation_cache_dir`; jax times a load as a backend
+    compile) -- a program loaded from disk is a new program all the same."""
     return _compiles
 
 
