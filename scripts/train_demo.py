@@ -13,6 +13,9 @@ Python standard library that ships with the interpreter running this script.
     python scripts/train_demo.py --kind main --minutes 65 --init-from old_run --out models/demo
     # smoke test: a tiny model for one minute into a scratch directory
     python scripts/train_demo.py --kind main --minutes 1 --tiny --out /tmp/demo-smoke
+    # another machine (an accelerator, another Python): encode here, train there on that text
+    python scripts/train_demo.py --save-corpus corpus.npz --out models/demo
+    python scripts/train_demo.py --kind main --corpus corpus.npz --minutes 6 --out run
 
 Data (deterministic): every `*.py` file under `sysconfig.get_paths()["stdlib"]` in sorted order,
 skipping `site-packages/`, `__pycache__/` and test directories (`test/`, `tests/`, `idle_test/`),
@@ -326,6 +329,65 @@ def lr_at(frac: float, peak: float, warmup_frac: float, final_frac: float = 0.1)
     return peak * (final_frac + (1 - final_frac) * 0.5 * (1 + math.cos(math.pi * p)))
 
 
+def build_corpus(args):
+    """The tokenizer, the encoded training and held-out streams, and the corpus record, from
+    the files of this interpreter and the installed packages (module docstring). The tokenizer
+    alone (None for the rest) with --tokenizer-only."""
+    files = corpus_files()
+    train_files, val_files = split_corpus(files)
+    n_chars = sum(len(t) for _, t in files)
+    log(f"stdlib corpus: {len(files)} files, {n_chars / 1e6:.2f}M chars "
+        f"({len(train_files)} train / {len(val_files)} held-out files) "
+        f"from {sysconfig.get_paths()['stdlib']}")
+    pkg, pkg_versions = package_files([n for n in args.extra_packages.split(",") if n])
+    pkg_train, _ = split_corpus(pkg)
+    n_pkg_chars = sum(len(t) for _, t in pkg_train)
+    log(f"package corpus: {len(pkg_train)} files, {n_pkg_chars / 1e6:.2f}M chars {pkg_versions}")
+    train_files = train_files + pkg_train
+    os.makedirs(args.out, exist_ok=True)
+    tok = get_tokenizer(args.out, [t for _, t in train_files], args.retrain_tokenizer)
+    if args.tokenizer_only:
+        return tok, None, None, None
+    train_ids = encode_stream(tok, [t for _, t in train_files])
+    val_ids = encode_stream(tok, [t for _, t in val_files])
+    log(f"tokens: {len(train_ids) / 1e6:.2f}M train, {len(val_ids) / 1e3:.1f}K held-out "
+        f"({(n_chars + n_pkg_chars) / (len(train_ids) + len(val_ids)):.2f} chars/token)")
+    corpus = {"stdlib_files": len(files), "stdlib_chars": int(n_chars),
+              "package_files": len(pkg_train), "package_chars": int(n_pkg_chars),
+              "packages": pkg_versions, "python": sys.version.split()[0]}
+    return tok, train_ids, val_ids, corpus
+
+
+def save_corpus(path: str, tok, train_ids: np.ndarray, val_ids: np.ndarray,
+                corpus: dict) -> None:
+    """The encoded streams, the tokenizer and the corpus record in one .npz (--save-corpus), so
+    that another machine (an accelerator with another Python) trains on this very text."""
+    meta = dict(corpus, tokenizer=tok.to_str())
+    np.savez_compressed(path, train=train_ids, val=val_ids, meta=np.asarray(json.dumps(meta)))
+
+
+def load_corpus(path: str, out_dir: str):
+    """--corpus: the streams, tokenizer and record of a --save-corpus file. The tokenizer goes
+    to `out_dir` (an existing different one there is an error: the models must share it)."""
+    from tokenizers import Tokenizer
+
+    with np.load(path) as z:
+        train_ids, val_ids = z["train"], z["val"]
+        meta = json.loads(str(z["meta"]))
+    text = meta.pop("tokenizer")
+    os.makedirs(out_dir, exist_ok=True)
+    tok_path = os.path.join(out_dir, "tokenizer.json")
+    if os.path.exists(tok_path):
+        if Tokenizer.from_file(tok_path).to_str() != Tokenizer.from_str(text).to_str():
+            raise SystemExit(f"--corpus {path}: its tokenizer differs from {tok_path}")
+    else:
+        with open(tok_path, "w") as f:
+            f.write(text)
+    log(f"corpus {path}: {len(train_ids) / 1e6:.2f}M train, {len(val_ids) / 1e3:.1f}K held-out "
+        f"tokens (Python {meta['python']} standard library, packages {meta['packages']})")
+    return Tokenizer.from_str(text), train_ids, val_ids, meta
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -357,31 +419,25 @@ def main(argv=None) -> int:
     ap.add_argument("--teacher", default="",
                     help="distil: train on the `main` model in this directory's next-token "
                          "distributions (soft cross-entropy) instead of the data's tokens")
+    ap.add_argument("--save-corpus", default="", metavar="FILE.npz",
+                    help="write the encoded corpus and tokenizer to FILE.npz and exit")
+    ap.add_argument("--corpus", default="", metavar="FILE.npz",
+                    help="train on a --save-corpus file instead of this machine's files")
     ap.add_argument("--bench-steps", type=int, default=0,
                     help="only time this many train steps (no saving) and exit")
     args = ap.parse_args(argv)
 
     t_start = time.time()
-    files = corpus_files()
-    train_files, val_files = split_corpus(files)
-    n_chars = sum(len(t) for _, t in files)
-    log(f"stdlib corpus: {len(files)} files, {n_chars / 1e6:.2f}M chars "
-        f"({len(train_files)} train / {len(val_files)} held-out files) "
-        f"from {sysconfig.get_paths()['stdlib']}")
-    pkg, pkg_versions = package_files([n for n in args.extra_packages.split(",") if n])
-    pkg_train, _ = split_corpus(pkg)
-    n_pkg_chars = sum(len(t) for _, t in pkg_train)
-    log(f"package corpus: {len(pkg_train)} files, {n_pkg_chars / 1e6:.2f}M chars {pkg_versions}")
-    train_files = train_files + pkg_train
-    os.makedirs(args.out, exist_ok=True)
-    tok = get_tokenizer(args.out, [t for _, t in train_files], args.retrain_tokenizer)
-    if args.tokenizer_only:
+    if args.corpus:
+        tok, train_ids, val_ids, corpus = load_corpus(args.corpus, args.out)
+    else:
+        tok, train_ids, val_ids, corpus = build_corpus(args)
+        if train_ids is None:  # --tokenizer-only
+            return 0
+    if args.save_corpus:
+        save_corpus(args.save_corpus, tok, train_ids, val_ids, corpus)
+        log(f"saved the encoded corpus to {args.save_corpus}")
         return 0
-
-    train_ids = encode_stream(tok, [t for _, t in train_files])
-    val_ids = encode_stream(tok, [t for _, t in val_files])
-    log(f"tokens: {len(train_ids) / 1e6:.2f}M train, {len(val_ids) / 1e3:.1f}K held-out "
-        f"({(n_chars + n_pkg_chars) / (len(train_ids) + len(val_ids)):.2f} chars/token)")
 
     import jax
     import jax.numpy as jnp
@@ -516,10 +572,8 @@ def main(argv=None) -> int:
             "params": int(n_params),
             "ctx": ctx, "batch": batch, "peak_lr": peak_lr, "seed": args.seed,
             "train_tokens": int(len(train_ids)),
-            "stdlib_files": len(files), "stdlib_chars": int(n_chars),
-            "package_files": len(pkg_train), "package_chars": int(n_pkg_chars),
-            "packages": pkg_versions,
-            "python": sys.version.split()[0],
+            **corpus,
+            "device": jax.devices()[0].device_kind, "jax": jax.__version__,
             "finished": final,
             "init_from": init_record,
             "distilled_from": teacher_record,

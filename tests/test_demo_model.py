@@ -272,6 +272,39 @@ def test_expand_heads_keeps_the_function():
                                 np.random.default_rng(0))
 
 
+def test_training_on_a_saved_corpus_records_it_and_the_device(tmp_path):
+    """scripts/train_demo.py --save-corpus / --corpus (training on an accelerator whose Python
+    differs): the very streams and tokenizer travel, a run trains on them and its record names
+    the corpus and the device; a different tokenizer in the output directory is refused."""
+    train_demo = _script("train_demo")
+    texts = ["def add(a, b):\n    return a + b\n", "import os\nprint(os.sep)\n"] * 20
+    tok = train_demo.train_tokenizer(texts, vocab_size=300)
+    train_ids = train_demo.encode_stream(tok, texts)
+    val_ids = train_demo.encode_stream(tok, texts[:4])
+    corpus = {"stdlib_files": 2, "stdlib_chars": 60, "package_files": 0, "package_chars": 0,
+              "packages": {"jax": "x"}, "python": "3.0.0"}
+    path = str(tmp_path / "corpus.npz")
+    train_demo.save_corpus(path, tok, train_ids, val_ids, corpus)
+    out = tmp_path / "run"
+    got_tok, got_train, got_val, got_corpus = train_demo.load_corpus(path, str(out))
+    np.testing.assert_array_equal(got_train, train_ids)
+    np.testing.assert_array_equal(got_val, val_ids)
+    assert got_corpus == corpus and got_tok.to_str() == tok.to_str()
+    assert (out / "tokenizer.json").exists()
+    assert train_demo.main(["--kind", "main", "--tiny", "--corpus", path, "--minutes", "0.02",
+                            "--ctx", "16", "--batch", "4", "--out", str(out)]) == 0
+    record = demo.load_config("main", str(out))["training"]
+    assert record["finished"] and record["steps"] >= 1 and record["val_loss"] > 0
+    assert record["python"] == "3.0.0" and record["packages"] == {"jax": "x"}
+    assert record["device"] == jax.devices()[0].device_kind and record["jax"] == jax.__version__
+    other = train_demo.train_tokenizer(texts[::-1] + ["class A:\n    pass\n"] * 9,
+                                       vocab_size=280)
+    (tmp_path / "other").mkdir()
+    other.save(str(tmp_path / "other" / "tokenizer.json"))
+    with pytest.raises(SystemExit, match="tokenizer differs"):
+        train_demo.load_corpus(path, str(tmp_path / "other"))
+
+
 def test_draft_agrees_with_main_on_the_code_edit_prompt(main_model, draft_model):
     """Speculative decoding on the demo pair at k = 4, T = 0 on bench.CODE_EDIT_PROMPT (the
     model card's figure): the draft's acceptance stays near what the shipped pair measured, and
