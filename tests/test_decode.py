@@ -94,6 +94,7 @@ def test_compilation_count_counts_programs_loaded_from_the_persistent_cache(tmp_
     """A program loaded from JAX's persistent cache is a new program for the no-recompile
     checks (the test run keeps such a cache, tests/conftest.py)."""
     script = textwrap.dedent("""
+        import os
         import jax, jax.numpy as jnp, jaxdecode as jd
         f = lambda x: jnp.sin(x) * 2 + 1
         x = jnp.ones(3)
@@ -103,7 +104,7 @@ def test_compilation_count_counts_programs_loaded_from_the_persistent_cache(tmp_
         again = jd.compilation_count()
         jax.clear_caches()
         jax.jit(f)(x).block_until_ready()
-        print(first, again, jd.compilation_count(), len(__import__("os").listdir(%r)))
+        print(first, again, jd.compilation_count(), len(os.listdir(%r)))
     """ % str(tmp_path))
     env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(tmp_path),
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
