@@ -84,8 +84,9 @@ MARGIN_OVER_RECORDED_VAL = 0.3
 # unfinished last statement is cut, for the 3-head model and for the shipped widened one.
 MIN_PARSING_SAMPLES = 9
 # Draft acceptance (accepted / proposed) at k = 4, T = 0 on bench.CODE_EDIT_PROMPT over 96
-# tokens: 0.17 for the shipped distilled pair (0.10 for the 11-29 pair).
-MIN_DRAFT_ACCEPTANCE = 0.15
+# tokens: 0.31 for the shipped pair (the draft distilled further on main's greedy paths,
+# 2026-12-03), 0.17 before that, 0.10 for the 11-29 pair.
+MIN_DRAFT_ACCEPTANCE = 0.28
 
 
 def test_models_demo_is_the_public_entry_point():
@@ -303,6 +304,41 @@ def test_training_on_a_saved_corpus_records_it_and_the_device(tmp_path):
     other.save(str(tmp_path / "other" / "tokenizer.json"))
     with pytest.raises(SystemExit, match="tokenizer differs"):
         train_demo.load_corpus(path, str(tmp_path / "other"))
+
+
+def test_draft_corpus_is_mains_greedy_continuations_of_corpus_windows(tmp_path):
+    """scripts/draft_corpus.py (the draft's distillation text): each document is a window of
+    the corpus's training stream, `main`'s greedy continuation of it and EOT; the held-out
+    stream and the tokenizer are the corpus's; the record names the teacher file."""
+    import jaxdecode as jd
+
+    train_demo, draft_corpus = _script("train_demo"), _script("draft_corpus")
+    texts = ["def add(a, b):\n    return a + b\n", "import os\nprint(os.sep)\n"] * 20
+    tok = train_demo.train_tokenizer(texts, vocab_size=300)
+    train_ids = train_demo.encode_stream(tok, texts)
+    val_ids = train_demo.encode_stream(tok, texts[:4])
+    corpus = {"stdlib_files": 2, "stdlib_chars": 60, "package_files": 0, "package_chars": 0,
+              "packages": {"jax": "x"}, "python": "3.0.0"}
+    path, teacher, gen = str(tmp_path / "corpus.npz"), tmp_path / "run", str(tmp_path / "g.npz")
+    train_demo.save_corpus(path, tok, train_ids, val_ids, corpus)
+    assert train_demo.main(["--kind", "main", "--tiny", "--corpus", path, "--minutes", "0.02",
+                            "--ctx", "16", "--batch", "4", "--out", str(teacher)]) == 0
+    assert draft_corpus.main(["--corpus", path, "--teacher", str(teacher), "--out", gen,
+                              "--prompts", "3", "--prompt-len", "5", "--new-tokens", "4",
+                              "--batch", "2"]) == 0
+    _, stream, val, meta = train_demo.load_corpus(gen, str(teacher))
+    np.testing.assert_array_equal(val, val_ids)
+    assert meta["generated_by"]["teacher_sha256"] == train_demo.file_sha256(
+        str(teacher / "main.safetensors"))
+    model, params, _ = demo.load("main", str(teacher))
+    docs = stream.reshape(3, 5 + 4 + 1)
+    windows = {tuple(train_ids[i:i + 5]) for i in range(len(train_ids) - 4)}
+    want = jd.generate(model, params, [d[:5].tolist() for d in docs],
+                       jd.SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    for r, d in enumerate(docs):
+        assert tuple(d[:5]) in windows
+        assert d[5:9].tolist() == list(want.tokens(r))
+        assert d[9] == tok.token_to_id("<|endoftext|>")
 
 
 def test_draft_agrees_with_main_on_the_code_edit_prompt(main_model, draft_model):
