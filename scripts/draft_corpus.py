@@ -30,6 +30,7 @@ def greedy_documents(model, params, train: np.ndarray, *, prompts: int, prompt_l
                      new_tokens: int, batch: int, seed: int, eot: int) -> np.ndarray:
     """prompt + `main`'s greedy continuation + EOT for `prompts` random windows of `train`."""
     import jaxdecode as jd
+    from train_demo import log
 
     rng = np.random.default_rng(seed)
     starts = rng.integers(0, len(train) - prompt_len, size=prompts)
@@ -40,13 +41,12 @@ def greedy_documents(model, params, train: np.ndarray, *, prompts: int, prompt_l
         out = jd.generate(model, params, rows, greedy)
         for r, row in enumerate(rows):
             docs.append(np.asarray(row + list(out.tokens(r)) + [eot], np.int32))
-        done = min(i + batch, prompts)
-        print(f"{done}/{prompts} prompts, {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
+        log(f"{min(i + batch, prompts)}/{prompts} prompts, {time.time() - t0:.0f} s")
     return np.concatenate(docs)
 
 
 def main(argv=None) -> int:
-    from train_demo import file_sha256, load_corpus, save_corpus
+    from train_demo import EOT, file_sha256, load_corpus, save_corpus
 
     from models.demo import load as load_demo
 
@@ -63,10 +63,10 @@ def main(argv=None) -> int:
 
     tok, train, val, meta = load_corpus(args.corpus, args.teacher)
     model, params, _ = load_demo("main", args.teacher)
-    eot = tok.token_to_id("<|endoftext|>")
     stream = greedy_documents(model, params, train, prompts=args.prompts,
                               prompt_len=args.prompt_len, new_tokens=args.new_tokens,
-                              batch=args.batch, seed=args.seed, eot=eot)
+                              batch=args.batch, seed=args.seed,
+                              eot=tok.token_to_id(EOT))
     meta["generated_by"] = {
         "teacher_sha256": file_sha256(os.path.join(args.teacher, "main.safetensors")),
         "prompts": args.prompts, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,

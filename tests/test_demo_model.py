@@ -273,11 +273,9 @@ def test_expand_heads_keeps_the_function():
                                 np.random.default_rng(0))
 
 
-def test_training_on_a_saved_corpus_records_it_and_the_device(tmp_path):
-    """scripts/train_demo.py --save-corpus / --corpus (training on an accelerator whose Python
-    differs): the very streams and tokenizer travel, a run trains on them and its record names
-    the corpus and the device; a different tokenizer in the output directory is refused."""
-    train_demo = _script("train_demo")
+def _saved_tiny_corpus(train_demo, tmp_path):
+    """A two-snippet corpus saved with `save_corpus`: (texts, tokenizer, train ids, held-out
+    ids, corpus record, path)."""
     texts = ["def add(a, b):\n    return a + b\n", "import os\nprint(os.sep)\n"] * 20
     tok = train_demo.train_tokenizer(texts, vocab_size=300)
     train_ids = train_demo.encode_stream(tok, texts)
@@ -286,6 +284,15 @@ def test_training_on_a_saved_corpus_records_it_and_the_device(tmp_path):
               "packages": {"jax": "x"}, "python": "3.0.0"}
     path = str(tmp_path / "corpus.npz")
     train_demo.save_corpus(path, tok, train_ids, val_ids, corpus)
+    return texts, tok, train_ids, val_ids, corpus, path
+
+
+def test_training_on_a_saved_corpus_records_it_and_the_device(tmp_path):
+    """scripts/train_demo.py --save-corpus / --corpus (training on an accelerator whose Python
+    differs): the very streams and tokenizer travel, a run trains on them and its record names
+    the corpus and the device; a different tokenizer in the output directory is refused."""
+    train_demo = _script("train_demo")
+    texts, tok, train_ids, val_ids, corpus, path = _saved_tiny_corpus(train_demo, tmp_path)
     out = tmp_path / "run"
     got_tok, got_train, got_val, got_corpus = train_demo.load_corpus(path, str(out))
     np.testing.assert_array_equal(got_train, train_ids)
@@ -313,14 +320,8 @@ def test_draft_corpus_is_mains_greedy_continuations_of_corpus_windows(tmp_path):
     import jaxdecode as jd
 
     train_demo, draft_corpus = _script("train_demo"), _script("draft_corpus")
-    texts = ["def add(a, b):\n    return a + b\n", "import os\nprint(os.sep)\n"] * 20
-    tok = train_demo.train_tokenizer(texts, vocab_size=300)
-    train_ids = train_demo.encode_stream(tok, texts)
-    val_ids = train_demo.encode_stream(tok, texts[:4])
-    corpus = {"stdlib_files": 2, "stdlib_chars": 60, "package_files": 0, "package_chars": 0,
-              "packages": {"jax": "x"}, "python": "3.0.0"}
-    path, teacher, gen = str(tmp_path / "corpus.npz"), tmp_path / "run", str(tmp_path / "g.npz")
-    train_demo.save_corpus(path, tok, train_ids, val_ids, corpus)
+    _, tok, train_ids, val_ids, _, path = _saved_tiny_corpus(train_demo, tmp_path)
+    teacher, gen = tmp_path / "run", str(tmp_path / "g.npz")
     assert train_demo.main(["--kind", "main", "--tiny", "--corpus", path, "--minutes", "0.02",
                             "--ctx", "16", "--batch", "4", "--out", str(teacher)]) == 0
     assert draft_corpus.main(["--corpus", path, "--teacher", str(teacher), "--out", gen,
@@ -338,7 +339,7 @@ def test_draft_corpus_is_mains_greedy_continuations_of_corpus_windows(tmp_path):
     for r, d in enumerate(docs):
         assert tuple(d[:5]) in windows
         assert d[5:9].tolist() == list(want.tokens(r))
-        assert d[9] == tok.token_to_id("<|endoftext|>")
+        assert d[9] == tok.token_to_id(train_demo.EOT)
 
 
 def test_draft_agrees_with_main_on_the_code_edit_prompt(main_model, draft_model):
