@@ -84,9 +84,9 @@ MARGIN_OVER_RECORDED_VAL = 0.3
 # unfinished last statement is cut, for the 3-head model and for the shipped widened one.
 MIN_PARSING_SAMPLES = 9
 # Draft acceptance (accepted / proposed) at k = 4, T = 0 on bench.CODE_EDIT_PROMPT over 96
-# tokens: 0.31 for the shipped pair (the draft distilled further on main's greedy paths,
-# 2026-12-03), 0.17 before that, 0.10 for the 11-29 pair.
-MIN_DRAFT_ACCEPTANCE = 0.28
+# tokens: 0.36 for the shipped pair (a second round of distillation on main's greedy paths,
+# 2026-12-03), 0.31 after the first, 0.17 before that, 0.10 for the 11-29 pair.
+MIN_DRAFT_ACCEPTANCE = 0.33
 
 
 def test_models_demo_is_the_public_entry_point():
