@@ -15,6 +15,12 @@ def bucket(n: int, cap: Optional[int] = None) -> int:
     return min(size, cap) if cap is not None else size
 
 
+def row_bucket(n: int) -> int:
+    """The row count a device call of n rows runs (a prefill chunk call): the next power of
+    two >= n, the rows past n padding."""
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
 def kv_bucket(longest: int, max_len: int) -> int:
     """The attention bucket covering `longest` positions: a power of two >= KV_BUCKET_MIN,
     capped at max_len -- few compiled variants, and short requests never pay for a long

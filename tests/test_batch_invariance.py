@@ -154,8 +154,9 @@ def _engine_logits(model, params, max_slots, max_len, probe, neighbours, slot):
             tokens[0, :length] = p[start:start + length]
             final = (step_ops.NewRows(prompt, len(p), np.array([target], np.int32),
                                       table[None], rows) if start + length == len(p) else None)
-            state, _ = step_ops.apply(ctx, state, step_ops.chunk(tokens, start, length, table,
-                                                                 kv, final))
+            state, _ = step_ops.apply(ctx, state, step_ops.chunk(
+                tokens, np.array([start]), np.array([length]), table[None], kv,
+                [(0, final)] if final is not None else ()))
     seen = [np.asarray(state.logits[slot])]
     for t in range(STEPS):
         longest = max(len(p) for p in prompts) + t + 1
@@ -182,6 +183,49 @@ def test_invariance_engine_logits_bitwise_at_every_max_slots(family, name):
             assert np.array_equal(a, b), (
                 f"{name}: engine logits (after {'prefill' if i == 0 else f'step {i}'}) differ "
                 f"at max_slots={max_slots}: max |diff| {np.max(np.abs(a - b)):.3g}")
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_invariance_engine_chunk_calls_bitwise_at_every_row_count(family, name):
+    """The engine prefills the chunks of one iteration that share a program shape in one call
+    (scheduler.chunks): every row's logits and KV pages are bitwise those of its chunk run
+    alone, whatever the call's row count (1 to 8, padded to a power of two) and the row's place
+    in it -- the prefix cache's exactness depends on it. Two chunks per prompt, so the second
+    reads pages the first wrote."""
+    model, params = family(name)
+    ctx = step_ops.Context(model, params, 8, 64, model.config.eos_token_ids)
+    rng = np.random.default_rng(7)
+    vocab, t = model.config.vocab_size, 16
+    prompts = [_prompt(rng, vocab, t + 1, 2 * t) for _ in range(8)]
+    tables = (1 + np.arange(8)[:, None] * ctx.pages_per_row
+              + np.arange(ctx.pages_per_row)[None]).astype(np.int32)
+
+    def run(calls):
+        """`calls`: per round (chunk 0, then chunk 1), lists of prompt indices per call."""
+        state, logits = ctx.backend.empty_state(), {}
+        for round_, groups in enumerate(calls):
+            for group in groups:
+                start = round_ * t
+                lengths = np.array([min(t, len(prompts[i]) - start) for i in group], np.int32)
+                tokens = np.zeros((len(group), t), np.int32)
+                for row, i in enumerate(group):
+                    tokens[row, :lengths[row]] = prompts[i][start:start + lengths[row]]
+                state, out = ctx.backend.chunk(state, tokens, np.full((len(group),), start),
+                                               lengths, tables[group], 256)
+                for row, i in enumerate(group):
+                    logits[round_, i] = np.asarray(out[row])
+        # page 0 is the null page, which the padding rows of a call write
+        return logits, np.asarray(state.cache.k)[:, :, 1:], np.asarray(state.cache.v)[:, :, 1:]
+
+    alone = run([[[i] for i in range(8)]] * 2)
+    for rows in (2, 3, 4, 8):
+        order = [rng.permutation(8).tolist() for _ in range(2)]
+        logits, k, v = run([[o[j:j + rows] for j in range(0, 8, rows)] for o in order])
+        assert np.array_equal(k, alone[1]) and np.array_equal(v, alone[2]), (
+            f"{name}: KV pages differ in chunk calls of {rows} rows")
+        for key, ref in alone[0].items():
+            assert np.array_equal(logits[key], ref), (
+                f"{name}: chunk {key[0]} of prompt {key[1]} differs in a call of {rows} rows")
 
 
 # -- tokens: the issue's reproduction and many seeds (demo model) ------------------------------

@@ -43,10 +43,11 @@ def _ops():
                              np.array([[1, 2, 0, 0], [1, 5, 0, 0]], np.int32), rows,
                              copies=(np.array([2], np.int32), np.array([5], np.int32)))
     return [step_ops.init(4, 64, (2, 5), 17, 16),
-            step_ops.chunk(np.arange(16, dtype=np.int32)[None], 0, 3,
-                           np.array([1, 2, 0, 0], np.int32), 256, final),
-            step_ops.chunk(np.zeros((1, 16), np.int32), 16, 1, np.array([3, 4, 0, 0], np.int32),
-                           256),
+            step_ops.chunk(np.arange(32, dtype=np.int32).reshape(2, 16), np.array([0, 16]),
+                           np.array([3, 16]), np.array([[1, 2, 0, 0], [7, 8, 0, 0]]), 256,
+                           [(0, final)]),
+            step_ops.chunk(np.zeros((1, 16), np.int32), np.array([16]), np.array([1]),
+                           np.array([[3, 4, 0, 0]]), 256),
             step_ops.restore(saved, 2, np.array([6], np.int32),
                              np.array([6, 7, 0, 0], np.int32), grammar_state=5),
             step_ops.grammar(np.array([True, False]), np.array([3, 0], np.int32), tables),
@@ -66,8 +67,9 @@ def test_step_ops_round_trip_exactly():
         assert back.equals(op), op.name
         assert all(back.arrays[k].dtype == v.dtype for k, v in op.arrays.items())
     first = ops[1]
-    assert first.arrays["rows.bias"][0, 3] == np.float32(-1.5)
-    assert first.arrays["copy_dst"].tolist() == [5] and "slots" not in ops[2].arrays
+    assert first.arrays["final0.rows.bias"][0, 3] == np.float32(-1.5)
+    assert first.arrays["final0.copy_dst"].tolist() == [5] and first.scalar("final0.row") == 0
+    assert "final0.row" not in ops[2].arrays
     assert "grammar_local" not in ops[3].arrays and ops[3].scalar("grammar_state") == 5
     assert not ops[1].equals(ops[2]) and not ops[7].equals(step_ops.step(512, 0))
     assert ops[-1].arrays["tokens"].tolist() == [[5, 6, 7], [9, 0, 0]]

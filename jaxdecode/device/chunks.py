@@ -1,14 +1,16 @@
 """Chunked prefill into KV pages, and the new rows of admitted requests (the engine's device
 side of admission; docs/serving.md "Paged KV").
 
-`prefill_chunk` runs one chunk of one prompt -- tokens [1, T] at positions start .. start+T-1
--- through the model over the engine's page pool, with that row's page table: the chunk's K/V
-land in its pages, its queries attend to every earlier position of the row (pages written by
-earlier chunks, or mapped from the prefix cache) and causally within the chunk. It returns the
-logits of the chunk's last real token. A prompt is prefilled in chunks that start at multiples
-of the chunk size from position 0, one row at a time (batch invariance: no chunk ever sees
-another row), so the bits of a page depend only on the tokens up to it and the program's
-shape T (engine/pages.py keys the prefix cache on exactly that).
+`prefill_chunk` runs one chunk of each of B prompts -- tokens [B, T], row i at positions
+start[i] .. start[i]+T-1 -- through the model over the engine's page pool, each row with its
+own page table: a chunk's K/V land in its row's pages, its queries attend to every earlier
+position of the row (pages written by earlier chunks, or mapped from the prefix cache) and
+causally within the chunk. It returns the logits of each chunk's last real token. A prompt is
+prefilled in chunks that start at multiples of the chunk size from position 0; a row's
+arithmetic does not depend on the rows beside it (row tiles, key blocks, fixed sums:
+docs/batch_invariance.md; tests/test_batch_invariance.py checks chunk calls of 1 to 8 rows
+bitwise), so the bits of a page depend only on the tokens up to it and the program's length T
+(engine/pages.py keys the prefix cache on exactly that).
 
 After a prompt's last chunk, `new_rows` builds the rows that start decoding from its logits --
 the request, and the other samples of its prompt, which share its prompt pages -- each with
@@ -59,9 +61,9 @@ def _write(model: DecoderModel, params: Any, pool: PagedKVCache, tokens: Array, 
 @cache_ops.shared_tables
 def prefill_chunk(state: Any, params: Any, draft_params: Any, tokens: Array, start: Array,
                   length: Array, table: Array, *, config: ChunkConfig) -> tuple[Any, Array]:
-    """One chunk of one row (tokens int32[1, T], start / length int32[1], table int32[1, P])
-    into the pool (module docstring). Returns the state and the logits f32[1, V] after the
-    chunk's last real token."""
+    """One chunk of each of B rows (tokens int32[B, T], start / length int32[B], table
+    int32[B, P]) into the pool (module docstring). Returns the state and the logits f32[B, V]
+    after each chunk's last real token."""
     if isinstance(state, SpecState):
         tcache, logits = _write(config.model, params, state.tcache, tokens, start, length, table,
                                 config.kv_len)
@@ -74,6 +76,12 @@ def prefill_chunk(state: Any, params: Any, draft_params: Any, tokens: Array, sta
     cache, logits = _write(config.model, params, state.cache, tokens, start, length, table,
                            config.kv_len)
     return state.replace(cache=cache), logits
+
+
+@jax.jit
+def logits_row(logits: Array, row: Array) -> Array:
+    """Row `row` (int32, traced: one program per call size) of a chunk call's logits, f32[1, V]."""
+    return jax.lax.dynamic_slice_in_dim(logits, row, 1)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,8 +6,9 @@ decoding being K = 1 and speculative decoding K = k + 1, and the output processo
 through one per-token path.
 
     empty_state()                  every row done, an empty page pool
-    chunk(state, tokens, start, length, table, kv_len)
-                                   one prefill chunk of one row into its pages -> logits
+    chunk(state, tokens, start, length, tables, kv_len)
+                                   one prefill chunk of each of n rows into its pages
+                                   (rows padded to shapes.row_bucket) -> logits
     new_rows(logits, prompt, length, rows, tables, ...)
                                    the rows that start decoding after a prompt
     insert(state, rows, slots)     scatter new rows into slots
@@ -43,6 +44,7 @@ from jaxdecode.device.speculative import RoundConfig, spec_round
 from jaxdecode.device.state import RowParams
 from jaxdecode.engine.speculative import COUNTERS, SpeculativeConfig
 from jaxdecode.model_api import DecoderModel, params_dtype
+from jaxdecode.shapes import row_bucket
 
 
 @dataclasses.dataclass
@@ -64,8 +66,8 @@ class StepResult:
 
 class SlotBackend(Protocol):
     def empty_state(self) -> Any: ...
-    def chunk(self, state: Any, tokens: np.ndarray, start: int, length: int, table: np.ndarray,
-              kv_len: int) -> tuple[Any, Any]: ...
+    def chunk(self, state: Any, tokens: np.ndarray, start: np.ndarray, length: np.ndarray,
+              tables: np.ndarray, kv_len: int) -> tuple[Any, Any]: ...
     def new_rows(self, logits: Any, prompt: np.ndarray, length: int, rows: RowParams,
              tables: np.ndarray, grammar_state: Optional[np.ndarray] = None,
              resume: Optional[dict] = None) -> Any: ...
@@ -124,12 +126,17 @@ class _Rows:
         rows = slots.empty_rows(self.rows, self.model.config.vocab_size, self.eos_token_ids)
         return slots.empty_state(self.slot_config, rows, mesh=self.mesh, **self._research())
 
-    def chunk(self, state: Any, tokens: np.ndarray, start: int, length: int, table: np.ndarray,
-              kv_len: int) -> tuple[Any, Any]:
+    def chunk(self, state: Any, tokens: np.ndarray, start: np.ndarray, length: np.ndarray,
+              tables: np.ndarray, kv_len: int) -> tuple[Any, Any]:
+        """Chunks of n rows (tokens int32[n, T], start / length int32[n], tables int32[n, P])
+        in one call of `shapes.row_bucket(n)` rows; the padding rows write one token into the
+        null page. Returns the state and the logits f32[rows, V] (row i: chunk i)."""
+        pad = row_bucket(len(tokens)) - len(tokens)
+        rows = lambda x, fill=0: np.concatenate(  # noqa: E731
+            [np.asarray(x, np.int32), np.full((pad,) + np.shape(x)[1:], fill, np.int32)])
         config = chunks.ChunkConfig(self.model, kv_len, self.draft)
-        i32 = lambda x: np.array([x], np.int32)  # noqa: E731
-        return chunks.prefill_chunk(state, self.params, self.draft_params, tokens, i32(start),
-                                    i32(length), table[None], config=config)
+        return chunks.prefill_chunk(state, self.params, self.draft_params, rows(tokens),
+                                    rows(start), rows(length, 1), rows(tables), config=config)
 
     def new_rows(self, logits: Any, prompt: np.ndarray, length: int, rows: RowParams,
              tables: np.ndarray, grammar_state: Optional[np.ndarray] = None,
@@ -154,18 +161,21 @@ class _Rows:
     def warmup(self, state: Any, chunk_shapes: Sequence[tuple], prompt_widths: Sequence[int],
                kv_buckets: Sequence[int], top_ks: Sequence[int],
                row_counts: Sequence[int] = ()) -> Any:
-        """Compile each chunk program (length T, attention bucket), the new rows for each
+        """Compile each chunk program (rows, length T, attention bucket), the new rows for each
         prompt width and their insert, the flags, and the step for each attention bucket and
         top-k, over every row and over each of `row_counts` rows (tables point at the null
         page; the inserted row is dropped)."""
         table = np.zeros((-(-self.max_len // self.pages.page_size),), np.int32)
-        logits = None
-        for t, kv in chunk_shapes:
-            state, logits = self.chunk(state, np.zeros((1, t), np.int32), 0, 1, table, kv)
+        first = None
+        for n, t, kv in chunk_shapes:
+            one = np.ones((n,), np.int32)
+            state, logits = self.chunk(state, np.zeros((n, t), np.int32), 0 * one, one,
+                                       np.zeros((n,) + table.shape, np.int32), kv)
+            first = chunks.logits_row(logits, np.int32(0))
         params = slots.empty_rows(1, self.model.config.vocab_size, self.eos_token_ids)
         for width in prompt_widths:
             grammar = None if state.grammar_state is None else np.full((1,), -1, np.int32)
-            new = self.new_rows(logits, np.zeros((width,), np.int32), 1, params, table[None],
+            new = self.new_rows(first, np.zeros((width,), np.int32), 1, params, table[None],
                             grammar)
             state = self.insert(state, new, np.full((1,), self.rows, np.int32))
         flags = np.zeros((self.rows,), bool)

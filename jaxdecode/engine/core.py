@@ -219,25 +219,32 @@ class EngineCore:
         self._admitting = []
 
     def _prefill(self) -> None:
-        """This iteration's prefill chunks (scheduler.chunks), each one CHUNK op; after a
+        """This iteration's prefill chunks (scheduler.chunks), one CHUNK op per batch; after a
         prompt's last chunk its rows start decoding."""
-        for c in self.scheduler.chunks():
-            self._admitting = [c.request]
-            self._run_chunk(c)
+        for batch in self.scheduler.chunks():
+            self._admitting = [c.request for c in batch]
+            self._run_chunks(batch)
         self._admitting = []
 
-    def _run_chunk(self, c: Any, activate: bool = True) -> None:
-        """One chunk on the device; after the last one, r (and its sharers) decode -- their
-        lifecycle moves on unless this is a probe of `recover` (`activate` False)."""
-        r = c.request
-        inputs = self.scheduler.prefill_inputs(r)
-        tokens = np.zeros((1, c.t), np.int32)
-        tokens[0, :c.length] = inputs[c.start:c.start + c.length]
-        final = self._new_rows(r, r.prompt_ids + r.token_ids) if c.final else None
-        self.device(step_ops.chunk(tokens, c.start, c.length, self.scheduler.table(r), c.kv_len,
-                                   final))
-        self.scheduler.register(c)
-        if c.final:
+    def _run_chunks(self, batch: list, activate: bool = True) -> None:
+        """Chunks of one program shape in one call; after a prompt's last chunk its request
+        (and its sharers) decode -- their lifecycle moves on unless this is a probe of
+        `recover` (`activate` False)."""
+        tokens = np.zeros((len(batch), batch[0].t), np.int32)
+        for i, c in enumerate(batch):
+            tokens[i, :c.length] = self.scheduler.prefill_inputs(c.request)[
+                c.start:c.start + c.length]
+        finals = [(i, self._new_rows(c.request, c.request.prompt_ids + c.request.token_ids))
+                  for i, c in enumerate(batch) if c.final]
+        self.device(step_ops.chunk(
+            tokens, np.array([c.start for c in batch], np.int32),
+            np.array([c.length for c in batch], np.int32),
+            np.stack([self.scheduler.table(c.request) for c in batch]), batch[0].kv_len,
+            finals))
+        for c in batch:
+            self.scheduler.register(c)
+        for i, _ in finals:
+            r = batch[i].request
             for x in [r] + (r.sharers or []):
                 x.is_prefilling = False
                 if activate and not x.lifecycle.try_transition(RequestState.DECODING):
@@ -397,8 +404,8 @@ class EngineCore:
                     raise RuntimeError("the rebuilt requests do not fit the KV pages")
                 self.scheduler.place(r, slot, len(r.token_ids), prefilling=True)
             while self.scheduler.prefilling:
-                for c in self.scheduler.chunks():
-                    self._run_chunk(c, activate=False)
+                for batch in self.scheduler.chunks():
+                    self._run_chunks(batch, activate=False)
             for _ in range(steps):
                 kv_len, top_k = self.scheduler.step_shape(group, self.backend.kv_needed,
                                                           self.logprobs_k)

@@ -25,7 +25,10 @@ batch invariance keeps their tokens.
 
 Chunked prefill: every iteration prefills at most `prefill_chunk` prompt tokens (at least one
 chunk), before the running rows' decode step, so a long prompt delays the running streams by at
-most one chunk per step. Chunks start at multiples of the chunk size (shapes.chunk_plan).
+most one chunk per step. Chunks start at multiples of the chunk size (shapes.chunk_plan). The
+chunks of one iteration that share a program shape run as one device call (a burst of short
+prompts is one call, not one each); a row's bits do not depend on the rows beside it
+(docs/batch_invariance.md), so the prefix cache stays exact.
 """
 
 from __future__ import annotations
@@ -39,13 +42,20 @@ import numpy as np
 
 from jaxdecode.engine.pages import NULL_PAGE, PagePool, page_keys
 from jaxdecode.engine.request import Request
-from jaxdecode.shapes import MIN_BUCKET, chunk_length, chunk_plan, kv_bucket
+from jaxdecode.shapes import MIN_BUCKET, chunk_length, chunk_plan, kv_bucket, row_bucket
 
 
 def compact_counts(min_rows: int, max_slots: int) -> list[int]:
     """The row counts of a step over fewer rows than the slots (compaction): `min_rows` times
     a power of two, below max_slots."""
     return [n for n in (min_rows << i for i in range(max_slots.bit_length())) if n < max_slots]
+
+
+def chunk_rows(t: int, prefill_chunk: int, max_slots: int) -> list[int]:
+    """The row counts a prefill call of chunks of length T can run (shapes.row_bucket): one
+    iteration's chunks hold at most `prefill_chunk` tokens and one chunk per slot."""
+    most = row_bucket(min(max_slots, max(1, prefill_chunk // t)))
+    return [1 << i for i in range(most.bit_length())]
 
 
 class QueueFull(RuntimeError):
@@ -277,23 +287,29 @@ class Scheduler:
         if prefilling and r.sharers is not None:
             self.prefilling.append(r)
 
-    def chunks(self) -> list[Chunk]:
+    def chunks(self) -> list[list[Chunk]]:
         """This iteration's prefill chunks: at most `prefill_chunk` tokens (at least one
-        chunk), the oldest admitted request first."""
+        chunk), one chunk per request, the oldest admitted request first; batched by program
+        shape (T, attention bucket), each batch one device call (so the chunks of one iteration
+        never depend on each other)."""
         out, budget = [], self.prefill_chunk
         for r in list(self.prefilling):
             inputs = len(self.prefill_inputs(r))
-            plan = chunk_plan(inputs, r.prefilled, self.prefill_chunk, self.max_len) or [
-                (0, MIN_BUCKET, 0, kv_bucket(MIN_BUCKET, self.max_len))]  # nothing to write
-            for start, t, length, kv in plan:
-                if out and t > budget:
-                    return out
-                out.append(Chunk(r, start, t, length, kv, start + length == inputs))
-                budget -= t
-                r.prefilled = start + length
-                if r.prefilled == inputs:
-                    self.prefilling.remove(r)
-        return out
+            start, t, length, kv = (chunk_plan(inputs, r.prefilled, self.prefill_chunk,
+                                               self.max_len)
+                                    or [(0, MIN_BUCKET, 0, kv_bucket(MIN_BUCKET, self.max_len))]
+                                    )[0]  # (nothing to write: a chunk for the logits)
+            if out and t > budget:
+                break
+            out.append(Chunk(r, start, t, length, kv, start + length == inputs))
+            budget -= t
+            r.prefilled = start + length
+            if r.prefilled == inputs:
+                self.prefilling.remove(r)
+        batches: dict = {}
+        for c in out:
+            batches.setdefault((c.t, c.kv_len), []).append(c)
+        return list(batches.values())
 
     def free(self, r: Request) -> None:
         """Release `r`'s slot and pages (the device row is marked done before the next

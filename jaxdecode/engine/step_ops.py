@@ -7,9 +7,10 @@ each decision as a `StepOp` and applies it with `apply`; a follower process
 (`serving/distributed.py`) receives the same ops and applies them with the same `apply` to its
 own state, so leader and followers cannot drift. One op = one device action:
 
-    INIT     empty slot state and page pool      CHUNK    one prefill chunk of one row into its
-                                                          pages; the last one also sets up the
-                                                          rows that start decoding after it
+    INIT     empty slot state and page pool      CHUNK    one prefill chunk of each of n rows
+                                                          into their pages; a prompt's last one
+                                                          also sets up the rows that start
+                                                          decoding after it
     RESTORE  a saved row into pages and a slot   GRAMMAR  new grammar tables / rebased states
     FLAGS    release and pause masks             STEP     one engine step (kv_len, top_logprobs,
                                                           decode steps in the call)
@@ -27,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import io
+import itertools
 import json
 from typing import Any, Mapping, Optional, Sequence
 
@@ -40,10 +42,10 @@ from jaxdecode.device.beam import beam_search
 from jaxdecode.device.constraints.tables import GrammarTables
 from jaxdecode.device.state import RowParams, StepState
 from jaxdecode.engine.backend import Pages, PlainBackend, SlotBackend, SpeculativeBackend
-from jaxdecode.engine.scheduler import chunk_plan, compact_counts, kv_bucket
+from jaxdecode.engine.scheduler import chunk_plan, chunk_rows, compact_counts, kv_bucket
 from jaxdecode.model_api import DecoderModel, PagedKVCache
 
-VERSION = 3
+VERSION = 4
 INIT, CHUNK, RESTORE, GRAMMAR, FLAGS, STEP, RESET, WARMUP, STOP, BEAM = range(1, 11)
 NAMES = {INIT: "init", CHUNK: "chunk", RESTORE: "restore", GRAMMAR: "grammar", FLAGS: "flags",
          STEP: "step", RESET: "reset", WARMUP: "warmup", STOP: "stop", BEAM: "beam"}
@@ -116,24 +118,28 @@ class NewRows:
 _RESUME = ("resume.step", "resume.counts", "resume.last_token", "resume.prompt_length")
 
 
-def chunk(tokens: np.ndarray, start: int, length: int, table: np.ndarray, kv_len: int,
-          final: Optional[NewRows] = None) -> StepOp:
-    """Prefill tokens int32[1, T] (the first `length` real) at positions start.. of the row
-    whose page table is `table` int32[P], attending to `kv_len` positions; with `final`, the
-    rows that start decoding after it (`NewRows`)."""
-    arrays = {"tokens": tokens, "start": _i32(start), "length": _i32(length),
-              "table": np.asarray(table, np.int32), "kv_len": _i32(kv_len)}
-    if final is not None:
-        arrays.update({"prompt": final.prompt, "prompt_length": _i32(final.prompt_length),
-                       "slots": np.asarray(final.slots, np.int32),
-                       "tables": np.asarray(final.tables, np.int32),
-                       "copy_src": np.asarray(final.copies[0], np.int32),
-                       "copy_dst": np.asarray(final.copies[1], np.int32)})
-        arrays.update({"rows." + k: np.asarray(v) for k, v in vars(final.rows).items()})
+def chunk(tokens: np.ndarray, start: np.ndarray, length: np.ndarray, tables: np.ndarray,
+          kv_len: int, finals: Sequence[tuple[int, NewRows]] = ()) -> StepOp:
+    """Prefill tokens int32[n, T] (the first `length[i]` of row i real) at positions
+    start[i].. of the rows whose page tables are `tables` int32[n, P], attending to `kv_len`
+    positions; `finals` (chunk row, `NewRows`): the rows that start decoding after the prompt
+    whose last chunk is that row. Each final's arrays are named `final<j>.<name>`."""
+    arrays = {"tokens": np.asarray(tokens, np.int32), "start": np.asarray(start, np.int32),
+              "length": np.asarray(length, np.int32), "tables": np.asarray(tables, np.int32),
+              "kv_len": _i32(kv_len)}
+    for j, (row, final) in enumerate(finals):
+        own = {"row": _i32(row), "prompt": final.prompt,
+               "prompt_length": _i32(final.prompt_length),
+               "slots": np.asarray(final.slots, np.int32),
+               "tables": np.asarray(final.tables, np.int32),
+               "copy_src": np.asarray(final.copies[0], np.int32),
+               "copy_dst": np.asarray(final.copies[1], np.int32)}
+        own.update({"rows." + k: np.asarray(v) for k, v in vars(final.rows).items()})
         if final.grammar_state is not None:
-            arrays["grammar_state"] = np.asarray(final.grammar_state, np.int32)
+            own["grammar_state"] = np.asarray(final.grammar_state, np.int32)
         if final.resume is not None:
-            arrays.update(zip(_RESUME, final.resume))
+            own.update(zip(_RESUME, final.resume))
+        arrays.update({f"final{j}.{k}": v for k, v in own.items()})
     return StepOp(CHUNK, arrays)
 
 
@@ -287,9 +293,13 @@ def apply(ctx: Context, state: Optional[Any], op: StepOp) -> tuple[Optional[Any]
         _check_config(ctx, op)
         return backend.empty_state(), None
     if op.code == CHUNK:
-        state, logits = backend.chunk(state, a["tokens"], op.scalar("start"),
-                                      op.scalar("length"), a["table"], op.scalar("kv_len"))
-        return (state if "slots" not in a else _new_rows(ctx, state, logits, a)), None
+        state, logits = backend.chunk(state, a["tokens"], a["start"], a["length"],
+                                      a["tables"], op.scalar("kv_len"))
+        for j in itertools.takewhile(lambda j: f"final{j}.row" in a, itertools.count()):
+            final = {k[len(f"final{j}."):]: v for k, v in a.items()
+                     if k.startswith(f"final{j}.")}
+            state = _new_rows(ctx, state, chunks.logits_row(logits, final["row"]), final)
+        return state, None
     if op.code == RESTORE:
         return _restore(ctx, state, a), None
     if op.code == GRAMMAR:
@@ -363,7 +373,7 @@ def kv_buckets(max_len: int) -> list:
 def warmup_shapes(ctx: Context, max_prompt_len: int, top_logprobs: int = 0,
                   chunk: Optional[int] = None) -> int:
     """Compile every shape the engine can meet for prompts up to `max_prompt_len`: each
-    prefill chunk program (length, attention bucket), the new rows of each prompt width, the
+    prefill chunk program (rows, length, attention bucket), the new rows of each prompt width, the
     flags and the step for each attention bucket, without logprobs and with `top_logprobs`
     (the engine's two step variants; one program for any decode steps per call), over every
     row and over each smaller row count a step may run (`compact_counts`). Returns the
@@ -371,8 +381,9 @@ def warmup_shapes(ctx: Context, max_prompt_len: int, top_logprobs: int = 0,
     before = decode.compilation_count()
     lengths = range(1, min(max_prompt_len, ctx.max_len - 1) + 1)
     chunk = chunk or ctx.max_len
-    shapes = sorted({(t, kv) for n in lengths
-                     for _, t, _, kv in chunk_plan(n, 0, chunk, ctx.max_len)})
+    shapes = sorted({(rows, t, kv) for n in lengths
+                     for _, t, _, kv in chunk_plan(n, 0, chunk, ctx.max_len)
+                     for rows in chunk_rows(t, chunk, ctx.max_slots)})
     widths = sorted({decode.bucket(n, ctx.max_len) for n in lengths})
     state = ctx.backend.warmup(ctx.backend.empty_state(), shapes, widths,
                                kv_buckets(ctx.max_len), sorted({0, top_logprobs}),
