@@ -17,6 +17,8 @@ process 0 serves HTTP and broadcasts its step ops, the others replay them.
 
 from __future__ import annotations
 
+import argparse
+
 import os
 import socket
 import threading
@@ -173,9 +175,9 @@ def main(args: Any) -> int:
         return 0
     name = args.model_name or (args.model if args.model == "demo"
                                else os.path.basename(os.path.normpath(args.model)))
-    if args.warmup:
+    if args.warmup is not None:
         t0 = time.perf_counter()
-        compiled = llm.warmup()
+        compiled = llm.warmup(args.warmup)
         log_event("engine.warmup", compilations=compiled,
                   seconds=round(time.perf_counter() - t0, 3))
     app = create_app(llm, model_name=name, api_key=api_key, on_disconnect=args.on_disconnect,
@@ -194,6 +196,14 @@ def main(args: Any) -> int:
             from jaxdecode.engine import step_ops
             hook.publish(step_ops.stop())
     return 0
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1 (argparse names the flag in its error)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 def add_arguments(p: Any) -> None:
@@ -237,8 +247,11 @@ def add_arguments(p: Any) -> None:
                    help="write each request's generation record (SPEC §11) as <id>.json here")
     p.add_argument("--log-prompts", action="store_true",
                    help="include prompts and outputs in the logs (off by default)")
-    p.add_argument("--warmup", action="store_true",
-                   help="compile every engine shape before accepting requests")
+    p.add_argument("--warmup", nargs="?", type=positive_int, const=64, default=None,
+                   metavar="MAX_PROMPT_TOKENS",
+                   help="compile every engine shape for prompts up to MAX_PROMPT_TOKENS "
+                        "(default 64) before accepting requests; a longer prompt compiles "
+                        "its prefill programs when it first arrives")
     p.add_argument("--mesh", default=None, metavar="data=N,model=M",
                    help="shard over a device mesh (docs/sharding.md); default: one device")
     p.add_argument("--distributed", action="store_true",

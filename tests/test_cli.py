@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -104,6 +106,10 @@ def test_python_m_serving_takes_the_flags_of_jaxdecode_serve():
         return {k: v for k, v in args.items() if k not in ("command", "func")}
 
     assert vars(parse_args([])) == serve([])
+    assert serve([])["warmup"] is None and serve(["--warmup"])["warmup"] == 64
+    assert serve(["--warmup", "512"])["warmup"] == 512
+    with pytest.raises(SystemExit):
+        serve(["--warmup", "0"])
     assert "speculative" in serve([]) and "num_speculative_tokens" in serve([])
     flags = ["--model", "x", "--max-slots", "3", "--speculative", "prompt_lookup",
              "--no-prefix-cache"]
