@@ -18,7 +18,6 @@ process 0 serves HTTP and broadcasts its step ops, the others replay them.
 from __future__ import annotations
 
 import argparse
-
 import os
 import socket
 import threading

@@ -166,6 +166,28 @@ def test_compaction_rows_are_the_live_slots_and_idle_ones_to_a_power_of_two():
     assert s.compact_rows([types.SimpleNamespace(slot=i) for i in range(9)]) is None
 
 
+def test_prefill_chunks_of_one_iteration_are_batched_by_program_shape():
+    """scheduler.chunks: one chunk per request within the `prefill_chunk` token budget, oldest
+    first, grouped by (T, attention bucket), each group one device call; `chunk_rows` are
+    the row counts such a call can have (warm-up compiles each)."""
+    from jaxdecode.engine.pages import PagePool
+    from jaxdecode.engine.scheduler import Scheduler, chunk_rows
+
+    s = Scheduler(8, 256, 8, PagePool(64, 16, False), 64, min_rows=2)
+    a, b, c, d = (types.SimpleNamespace(prompt_ids=[5] * n, token_ids=[], prefilled=0)
+                  for n in (15, 15, 30, 100))
+    s.prefilling = [a, b, c, d]
+    shape = lambda batch: [(x.request, x.start, x.t, x.length, x.kv_len, x.final)  # noqa: E731
+                           for x in batch]
+    assert [shape(x) for x in s.chunks()] == [
+        [(a, 0, 16, 15, 256, True), (b, 0, 16, 15, 256, True)], [(c, 0, 32, 30, 256, True)]]
+    assert [shape(x) for x in s.chunks()] == [[(d, 0, 64, 64, 256, False)]]
+    assert [shape(x) for x in s.chunks()] == [[(d, 64, 64, 36, 256, True)]]
+    assert s.chunks() == [] and s.prefilling == []
+    assert chunk_rows(16, 64, 8) == [1, 2, 4] and chunk_rows(64, 64, 8) == [1]
+    assert chunk_rows(16, 256, 3) == [1, 2, 4]
+
+
 def test_save_request_of_a_request_that_ends_first_names_it(tmp_path):
     """Its steps in flight may finish a request before the pause takes effect (8 tokens per
     call here): saving it is a ValueError naming `request`, at once, not a timeout."""

@@ -169,7 +169,7 @@ class _Rows:
         first = None
         for n, t, kv in chunk_shapes:
             one = np.ones((n,), np.int32)
-            state, logits = self.chunk(state, np.zeros((n, t), np.int32), 0 * one, one,
+            state, logits = self.chunk(state, np.zeros((n, t), np.int32), np.zeros_like(one), one,
                                        np.zeros((n,) + table.shape, np.int32), kv)
             first = chunks.logits_row(logits, np.int32(0))
         params = slots.empty_rows(1, self.model.config.vocab_size, self.eos_token_ids)
