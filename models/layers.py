@@ -11,6 +11,7 @@ a row's logits are the same bits whatever batch, cache length or attention bucke
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Optional
 
@@ -24,7 +25,8 @@ from models import paged_attention
 Array = jax.Array
 
 # Token rows per weight-product tile in the cached forward: a call of B rows of T tokens runs
-# ceil(B*T / max(ROW_TILE, T)) products of exactly max(ROW_TILE, T) rows (padding included).
+# products of exactly max(ROW_TILE, T) rows (the last one zero-padded), one per tile up to the
+# last row with tokens to process (`Tiles`).
 ROW_TILE = 8
 # Keys per attention block: every (row, kv head, block) is one product of fixed shape.
 ATTN_BLOCK = 128
@@ -54,21 +56,39 @@ def _mean(x: Array) -> Array:
     return fixed_sum(x, -1, keepdims=True) / x.shape[-1]
 
 
-def dense(x: Array, w: Array, tile: Optional[int] = None, *, transpose: bool = False,
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """`dense`'s row tiling in the cached forward: products of max(size, T) token rows, run up
+    to the tile holding the last of the first `rows` batch rows (int32, traced). Batch rows past
+    `rows` (padding rows of a chunk call, finished or empty slots at the end of a step) are not
+    computed: their outputs are zeros, which the callers drop."""
+
+    size: int
+    rows: Array
+
+    @classmethod
+    def upto_last_live(cls, lengths: Array) -> "Tiles":
+        """Tiles covering every row with tokens (lengths > 0) and the rows before it."""
+        live = jnp.where(lengths > 0, jnp.arange(lengths.shape[0], dtype=jnp.int32) + 1, 0)
+        return cls(ROW_TILE, jnp.max(live, initial=0))
+
+
+def dense(x: Array, w: Array, tile: Optional[Tiles] = None, *, transpose: bool = False,
           out_dtype: Any = None) -> Array:
     """x [B, T, K] @ w [K, N] (w [N, K] with `transpose`) -> [B, T, N].
 
-    With `tile`, the B*T token rows go through a loop of products of exactly max(tile, T) rows
+    With `tile`, the token rows go through a loop of products of exactly max(tile.size, T) rows
     (the last tile zero-padded), so each row's arithmetic is that one fixed-shape product's,
-    whatever B is. The trip count is hidden from XLA (an optimization barrier), so the loop is
-    never unrolled or inlined: every batch size runs the same loop body."""
+    whatever B is; the loop stops after the tile holding batch row `tile.rows - 1` (later rows
+    are zeros). The trip count is hidden from XLA (an optimization barrier), so the loop is
+    never unrolled or inlined: every batch size and trip count runs the same loop body."""
     contract = lambda a: (((a.ndim - 1,), (1 if transpose else 0,)), ((), ()))  # noqa: E731
     product = lambda a: jax.lax.dot_general(a, w, contract(a),  # noqa: E731
                                             preferred_element_type=out_dtype)
     if tile is None:
         return product(x)
-    *lead, k = x.shape
-    rows = max(tile, x.shape[-2])
+    *lead, t, k = x.shape
+    rows = max(tile.size, t)
     flat = x.reshape(-1, k)
     m = flat.shape[0]
     count = -(-m // rows)
@@ -80,8 +100,9 @@ def dense(x: Array, w: Array, tile: Optional[int] = None, *, transpose: bool = F
         part = jax.lax.dynamic_slice_in_dim(flat, i * rows, rows)
         return jax.lax.dynamic_update_slice_in_dim(out, product(part), i * rows, 0)
 
-    out = jax.lax.fori_loop(0, jax.lax.optimization_barrier(jnp.int32(count)), body, out)
-    return out[:m].reshape(*lead, n)
+    trips = jnp.minimum((tile.rows.astype(jnp.int32) * t + rows - 1) // rows, count)
+    out = jax.lax.fori_loop(0, jax.lax.optimization_barrier(trips), body, out)
+    return out[:m].reshape(*lead, t, n)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict]) -> np.ndarray:
@@ -275,7 +296,7 @@ class CachedDecoder:
     and keys / values [B, T, KVH, D] (RoPE applied) and returns the attention output
     [B, T, H, D] -- in the cached forward after writing k, v into the cache (a `KVCache` or a
     `PagedKVCache`: `model_api`'s `write` / `read`), over the cached keys; `tile` is `dense`'s
-    row tile (ROW_TILE in the cached forward, None in `logits`) and `hook` is None or called as
+    row tiling (`Tiles` in the cached forward, None in `logits`) and `hook` is None or called as
     `x = hook(name, x)` at each of `model_api.hook_points`."""
 
     batch_invariant = True  # the cached forward: docs/batch_invariance.md
@@ -316,7 +337,8 @@ class CachedDecoder:
             return attention(q, keys.astype(q.dtype), values.astype(q.dtype), positions, key_pos,
                              window, scale)
 
-        logits = self._run(params, tokens, positions, attend, ROW_TILE, hook)
+        logits = self._run(params, tokens, positions, attend, Tiles.upto_last_live(lengths),
+                           hook)
         return logits, cache.replace(lengths=new_lengths)
 
     def logits(self, params: dict, tokens: Array, positions: Optional[Array] = None,

@@ -228,6 +228,31 @@ def test_invariance_engine_chunk_calls_bitwise_at_every_row_count(family, name):
                 f"{name}: chunk {key[0]} of prompt {key[1]} differs in a call of {rows} rows")
 
 
+@pytest.mark.parametrize("t", [1, 16])
+def test_invariance_dense_stops_after_the_last_live_row(t):
+    """`dense` runs its row tiles only up to the last batch row with tokens (padding rows of a
+    chunk call, finished slots at the end of a step): the rows before it keep the bits of the
+    full loop, the rows after it are zeros (not computed)."""
+    from models import layers
+
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((16, t, 24)).astype(np.float32)
+    w = rng.standard_normal((24, 40)).astype(np.float32)
+    run = jax.jit(lambda x, lengths: layers.dense(x, w, layers.Tiles.upto_last_live(lengths)))
+    full = np.asarray(run(x, np.ones(16, np.int32)))
+    for last in (1, 3, 9, 16):
+        lengths = np.zeros(16, np.int32)
+        lengths[last - 1] = t
+        lengths[: last - 1: 2] = 1          # live rows before the last one; gaps are computed too
+        out = np.asarray(run(x, lengths))
+        assert np.array_equal(out[:last], full[:last]), f"rows before {last}"
+        tile = max(layers.ROW_TILE, t)      # the rest of the last live row's tile is computed
+        computed = -(-last * t // tile) * tile // t
+        assert np.array_equal(out[:computed], full[:computed])
+        assert not out[computed:].any(), f"rows after the tile of row {last - 1} ran"
+    assert not np.asarray(run(x, np.zeros(16, np.int32))).any()
+
+
 # -- tokens: the issue's reproduction and many seeds (demo model) ------------------------------
 
 def test_invariance_issue_reproduction_seed_50448_alone_and_in_batches():

@@ -54,7 +54,7 @@ def _write(model: DecoderModel, params: Any, pool: PagedKVCache, tokens: Array, 
     positions = start[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
     logits, out = model.forward(params, tokens, positions, view, lengths=length,
                                 **kv_len_keyword(model, kv_len))
-    last = jnp.take_along_axis(logits, (length - 1)[:, None, None], axis=1)[:, 0]
+    last = jnp.take_along_axis(logits, jnp.maximum(length - 1, 0)[:, None, None], axis=1)[:, 0]
     return pool.replace(k=out.k, v=out.v), last.astype(jnp.float32)
 
 

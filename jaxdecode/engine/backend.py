@@ -129,14 +129,14 @@ class _Rows:
     def chunk(self, state: Any, tokens: np.ndarray, start: np.ndarray, length: np.ndarray,
               tables: np.ndarray, kv_len: int) -> tuple[Any, Any]:
         """Chunks of n rows (tokens int32[n, T], start / length int32[n], tables int32[n, P])
-        in one call of `shapes.row_bucket(n)` rows; the padding rows write one token into the
-        null page. Returns the state and the logits f32[rows, V] (row i: chunk i)."""
+        in one call of `shapes.row_bucket(n)` rows; the padding rows (length 0, the null page)
+        write nothing and the model skips their weight products. Returns the state and the logits f32[rows, V] (row i: chunk i)."""
         pad = row_bucket(len(tokens)) - len(tokens)
-        rows = lambda x, fill=0: np.concatenate(  # noqa: E731
-            [np.asarray(x, np.int32), np.full((pad,) + np.shape(x)[1:], fill, np.int32)])
+        rows = lambda x: np.concatenate(  # noqa: E731
+            [np.asarray(x, np.int32), np.zeros((pad,) + np.shape(x)[1:], np.int32)])
         config = chunks.ChunkConfig(self.model, kv_len, self.draft)
         return chunks.prefill_chunk(state, self.params, self.draft_params, rows(tokens),
-                                    rows(start), rows(length, 1), rows(tables), config=config)
+                                    rows(start), rows(length), rows(tables), config=config)
 
     def new_rows(self, logits: Any, prompt: np.ndarray, length: int, rows: RowParams,
              tables: np.ndarray, grammar_state: Optional[np.ndarray] = None,
