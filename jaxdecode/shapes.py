@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Optional
 
 MIN_BUCKET = 16
-KV_BUCKET_MIN = 256
+KV_BUCKET_MIN = 128  # one attention key block (models.layers.ATTN_BLOCK)
 
 
 def bucket(n: int, cap: Optional[int] = None) -> int:

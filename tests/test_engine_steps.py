@@ -180,9 +180,9 @@ def test_prefill_chunks_of_one_iteration_are_batched_by_program_shape():
     shape = lambda batch: [(x.request, x.start, x.t, x.length, x.kv_len, x.final)  # noqa: E731
                            for x in batch]
     assert [shape(x) for x in s.chunks()] == [
-        [(a, 0, 16, 15, 256, True), (b, 0, 16, 15, 256, True)], [(c, 0, 32, 30, 256, True)]]
-    assert [shape(x) for x in s.chunks()] == [[(d, 0, 64, 64, 256, False)]]
-    assert [shape(x) for x in s.chunks()] == [[(d, 64, 64, 36, 256, True)]]
+        [(a, 0, 16, 15, 128, True), (b, 0, 16, 15, 128, True)], [(c, 0, 32, 30, 128, True)]]
+    assert [shape(x) for x in s.chunks()] == [[(d, 0, 64, 64, 128, False)]]
+    assert [shape(x) for x in s.chunks()] == [[(d, 64, 64, 36, 128, True)]]
     assert s.chunks() == [] and s.prefilling == []
     assert chunk_rows(16, 64, 8) == [1, 2, 4] and chunk_rows(64, 64, 8) == [1]
     assert chunk_rows(16, 256, 3) == [1, 2, 4]
