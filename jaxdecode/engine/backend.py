@@ -130,7 +130,8 @@ class _Rows:
               tables: np.ndarray, kv_len: int) -> tuple[Any, Any]:
         """Chunks of n rows (tokens int32[n, T], start / length int32[n], tables int32[n, P])
         in one call of `shapes.row_bucket(n)` rows; the padding rows (length 0, the null page)
-        write nothing and the model skips their weight products. Returns the state and the logits f32[rows, V] (row i: chunk i)."""
+        write nothing and the model skips their weight products. Returns the state and the
+        logits f32[rows, V] (row i: chunk i)."""
         pad = row_bucket(len(tokens)) - len(tokens)
         rows = lambda x: np.concatenate(  # noqa: E731
             [np.asarray(x, np.int32), np.zeros((pad,) + np.shape(x)[1:], np.int32)])
