@@ -10,9 +10,10 @@ Streaming requests at several concurrency levels (issue #6):
                                [--server-arg=--no-prefix-cache ...] [--json FILE]
     jaxdecode bench --serve ...            (the same flags)
 
-Without `--url` it starts the server (`python -m serving --warmup`, the flags of `jaxdecode
-serve`, plus every `--server-arg`) as a subprocess on a free loopback port, waits for /health,
-sends a few warm-up requests that are not counted, and stops the server at the end. With
+Without `--url` it starts the server (`python -m serving --warmup N`, N the workload's longest
+prompt, the flags of `jaxdecode serve`, plus every `--server-arg`) as a subprocess on a free
+loopback port, waits for /health, sends a few warm-up requests that are not counted, and stops
+the server at the end. With
 `--url` it tests any OpenAI-compatible server (vLLM included): it sends only fields vLLM accepts
 too, puts `--served-model-name` in the body's `model` field when given, and reads /metrics
 only when the server has one.
@@ -447,18 +448,34 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+WARMUP_TOKENS = 64  # `serve --warmup`'s own default
+
+
+def warmup_tokens(cfg: LoadConfig) -> int:
+    """The started server's `--warmup`: the longest prompt the workload can send (the token-id
+    workloads; at least WARMUP_TOKENS), so its prefill programs compile before the run."""
+    longest = {"random": cfg.input_len,
+               "prefix-repetition": cfg.prefix_len + cfg.suffix_len,
+               "sharegpt": min(cfg.max_input_len,
+                               (cfg.max_total_len or SHAREGPT_MAX_TOTAL) - SHAREGPT_MIN_LEN),
+               }.get(cfg.workload, 0)
+    return max(WARMUP_TOKENS, longest)
+
+
 class ServerProcess:
-    """`python -m serving --warmup` (the flags of `jaxdecode serve`) in a subprocess on a free
+    """`python -m serving --warmup N` (the flags of `jaxdecode serve`) in a subprocess on a free
     loopback port; its output goes to a temporary log file that `start` quotes when the server
     dies or never becomes healthy."""
 
     def __init__(self, model: str = "demo", max_slots: int = 8, max_len: int = 512,
-                 api_key: Optional[str] = None, extra_args: Sequence[str] = ()):
+                 api_key: Optional[str] = None, extra_args: Sequence[str] = (),
+                 warmup: int = WARMUP_TOKENS):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.argv = [sys.executable, "-m", "serving", "--model", model,
                      "--port", str(self.port), "--max-slots", str(max_slots),
-                     "--max-len", str(max_len), "--warmup", "--log-level", "warning",
+                     "--max-len", str(max_len), "--warmup", str(warmup),
+                     "--log-level", "warning",
                      *(["--api-key", api_key] if api_key else []), *extra_args]
         self.log = tempfile.NamedTemporaryFile("w+b", prefix="jaxdecode-serve-", suffix=".log")
         self.proc: Optional[subprocess.Popen] = None
@@ -914,7 +931,7 @@ def main(args: argparse.Namespace) -> int:
             extra = [*(["--model-name", cfg.model_name] if cfg.model_name else []),
                      *(args.server_arg or [])]
             with ServerProcess(args.model or "demo", args.max_slots or 8, args.max_len or 512,
-                               args.api_key, extra) as server:
+                               args.api_key, extra, warmup_tokens(cfg)) as server:
                 server.start(args.startup_timeout or 600.0)
                 report = run(server.url, cfg, server.pid, progress)
                 report["server"] = {"argv": server.argv[1:]}

@@ -171,6 +171,22 @@ def test_prefix_repetition_structure():
         prefixes)
 
 
+def test_started_server_warms_up_the_workloads_longest_prompt():
+    """`bench --serve` starts `serve --warmup N` with N the longest prompt the workload sends
+    (at least 64), so a run of longer prompts compiles nothing while it is measured."""
+    assert loadtest.warmup_tokens(LoadConfig()) == 64                       # snippets
+    assert loadtest.warmup_tokens(LoadConfig(workload="random", input_len=16)) == 64
+    assert loadtest.warmup_tokens(LoadConfig(workload="random", input_len=128)) == 128
+    cfg = LoadConfig(workload="prefix-repetition", prefix_len=1024, suffix_len=64)
+    longest = max(w.prompt_len for w in loadtest.make_workload(cfg, 8))
+    assert loadtest.warmup_tokens(cfg) == longest == 1088
+    cfg = LoadConfig(workload="sharegpt", max_input_len=300, requests=200)
+    assert max(w.prompt_len for w in loadtest.make_workload(cfg, 200)) <= 300
+    assert loadtest.warmup_tokens(cfg) == 300
+    argv = loadtest.ServerProcess(warmup=1088).argv
+    assert argv[argv.index("--warmup") + 1] == "1088"
+
+
 def test_sharegpt_lengths_clipped_deterministic_and_near_the_target_means():
     lengths = np.array(sharegpt_lengths(20000, np.random.default_rng(0)))
     ins, outs = lengths[:, 0], lengths[:, 1]

@@ -54,8 +54,9 @@ def bench_arguments(b) -> None:
     b.add_argument("--quick", action="store_true", help="a smoke run in well under 2 minutes")
     b.add_argument("--serve", action="store_true",
                    help="instead: the HTTP load test (serving/loadtest.py) -- streaming requests "
-                        "against `jaxdecode serve` (started with --warmup and every "
-                        "--server-arg) or any OpenAI-compatible --url, at several concurrency "
+                        "against `jaxdecode serve` (started with --warmup for the longest "
+                        "prompt and every --server-arg) or any OpenAI-compatible --url, at "
+                        "several concurrency "
                         "levels, with the metrics of `vllm bench serve`")
     _add_loadtest_arguments(b.add_argument_group(
         "load test (with --serve; workloads, --request-rate and the metrics: docs/serving.md)"))
