@@ -100,7 +100,7 @@ def dense(x: Array, w: Array, tile: Optional[Tiles] = None, *, transpose: bool =
         part = jax.lax.dynamic_slice_in_dim(flat, i * rows, rows)
         return jax.lax.dynamic_update_slice_in_dim(out, product(part), i * rows, 0)
 
-    trips = jnp.minimum((tile.rows.astype(jnp.int32) * t + rows - 1) // rows, count)
+    trips = jnp.minimum((tile.rows * t + rows - 1) // rows, count)
     out = jax.lax.fori_loop(0, jax.lax.optimization_barrier(trips), body, out)
     return out[:m].reshape(*lead, t, n)
 

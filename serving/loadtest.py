@@ -10,13 +10,12 @@ Streaming requests at several concurrency levels (issue #6):
                                [--server-arg=--no-prefix-cache ...] [--json FILE]
     jaxdecode bench --serve ...            (the same flags)
 
-Without `--url` it starts the server (`python -m serving --warmup N`, N the workload's longest
-prompt, the flags of `jaxdecode serve`, plus every `--server-arg`) as a subprocess on a free
-loopback port, waits for /health, sends a few warm-up requests that are not counted, and stops
-the server at the end. With
-`--url` it tests any OpenAI-compatible server (vLLM included): it sends only fields vLLM accepts
-too, puts `--served-model-name` in the body's `model` field when given, and reads /metrics
-only when the server has one.
+Without `--url` it starts the server (`python -m serving --warmup N`, N the longest prompt of a
+token-id workload, the flags of `jaxdecode serve`, plus every `--server-arg`) as a subprocess on
+a free loopback port, waits for /health, sends a few warm-up requests that are not counted, and
+stops the server at the end. With `--url` it tests any OpenAI-compatible server (vLLM
+included): it sends only fields vLLM accepts too, puts `--served-model-name` in the body's
+`model` field when given, and reads /metrics only when the server has one.
 
 Workloads (every one deterministic given `--seed`; docs/serving.md "Load test"):
 
@@ -448,18 +447,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-WARMUP_TOKENS = 64  # `serve --warmup`'s own default
-
-
-def warmup_tokens(cfg: LoadConfig) -> int:
-    """The started server's `--warmup`: the longest prompt the workload can send (the token-id
-    workloads; at least WARMUP_TOKENS), so its prefill programs compile before the run."""
-    longest = {"random": cfg.input_len,
-               "prefix-repetition": cfg.prefix_len + cfg.suffix_len,
-               "sharegpt": min(cfg.max_input_len,
-                               (cfg.max_total_len or SHAREGPT_MAX_TOTAL) - SHAREGPT_MIN_LEN),
-               }.get(cfg.workload, 0)
-    return max(WARMUP_TOKENS, longest)
+def warmup_tokens(cfg: LoadConfig) -> Optional[int]:
+    """The started server's `--warmup N`: the longest prompt a token-id workload can send, so
+    its prefill programs compile before the run; None (the flag's own default) for the text
+    snippets."""
+    return {"random": cfg.input_len,
+            "prefix-repetition": cfg.prefix_len + cfg.suffix_len,
+            "sharegpt": min(cfg.max_input_len,
+                            (cfg.max_total_len or SHAREGPT_MAX_TOTAL) - SHAREGPT_MIN_LEN),
+            }.get(cfg.workload)
 
 
 class ServerProcess:
@@ -469,13 +465,13 @@ class ServerProcess:
 
     def __init__(self, model: str = "demo", max_slots: int = 8, max_len: int = 512,
                  api_key: Optional[str] = None, extra_args: Sequence[str] = (),
-                 warmup: int = WARMUP_TOKENS):
+                 warmup: Optional[int] = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.argv = [sys.executable, "-m", "serving", "--model", model,
                      "--port", str(self.port), "--max-slots", str(max_slots),
-                     "--max-len", str(max_len), "--warmup", str(warmup),
-                     "--log-level", "warning",
+                     "--max-len", str(max_len), "--warmup",
+                     *([] if warmup is None else [str(warmup)]), "--log-level", "warning",
                      *(["--api-key", api_key] if api_key else []), *extra_args]
         self.log = tempfile.NamedTemporaryFile("w+b", prefix="jaxdecode-serve-", suffix=".log")
         self.proc: Optional[subprocess.Popen] = None

@@ -172,10 +172,13 @@ def test_prefix_repetition_structure():
 
 
 def test_started_server_warms_up_the_workloads_longest_prompt():
-    """`bench --serve` starts `serve --warmup N` with N the longest prompt the workload sends
-    (at least 64), so a run of longer prompts compiles nothing while it is measured."""
-    assert loadtest.warmup_tokens(LoadConfig()) == 64                       # snippets
-    assert loadtest.warmup_tokens(LoadConfig(workload="random", input_len=16)) == 64
+    """`bench --serve` starts `serve --warmup N` with N the longest prompt a token-id workload
+    sends (the flag's default, 64 tokens, for the text snippets), so a run of longer prompts
+    compiles nothing while it is measured."""
+    assert loadtest.warmup_tokens(LoadConfig()) is None                     # snippets
+    argv = loadtest.ServerProcess().argv
+    assert argv[argv.index("--warmup") + 1] == "--log-level"                # the server's 64
+    assert loadtest.warmup_tokens(LoadConfig(workload="random", input_len=16)) == 16
     assert loadtest.warmup_tokens(LoadConfig(workload="random", input_len=128)) == 128
     cfg = LoadConfig(workload="prefix-repetition", prefix_len=1024, suffix_len=64)
     longest = max(w.prompt_len for w in loadtest.make_workload(cfg, 8))

@@ -56,8 +56,7 @@ def bench_arguments(b) -> None:
                    help="instead: the HTTP load test (serving/loadtest.py) -- streaming requests "
                         "against `jaxdecode serve` (started with --warmup for the longest "
                         "prompt and every --server-arg) or any OpenAI-compatible --url, at "
-                        "several concurrency "
-                        "levels, with the metrics of `vllm bench serve`")
+                        "several concurrency levels, with the metrics of `vllm bench serve`")
     _add_loadtest_arguments(b.add_argument_group(
         "load test (with --serve; workloads, --request-rate and the metrics: docs/serving.md)"))
 
