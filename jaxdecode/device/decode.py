@@ -207,6 +207,32 @@ def _raw_logprobs(logits: Array, token: Array, top_logprobs: int) -> tuple:
     return jnp.take_along_axis(raw, token[:, None], axis=-1)[:, 0], top_ids, top_lp
 
 
+def select(state: StepState, bound: Any = None) -> tuple[Array, Array, Optional[Array], Array]:
+    """The selection half of a decode step: y_t for every live row from `state.logits` (the
+    processed log-probabilities, the token, the grammar state after it or None, its finish
+    code). Row-wise, so a row's token is the same in any batch (docs/batch_invariance.md)."""
+    grammar = None if state.grammar is None else (state.grammar, state.grammar_state)
+    logprobs = processors.process(state.logits, state.rows, state.counts, state.seen, state.step,
+                                  grammar, bound)
+    token = sampling_lib.select(logprobs, state.rows, state.step + 1, state.live)
+    grammar_next = None if grammar is None else constraints.next_state(*grammar, token)
+    return logprobs, token, grammar_next, finish_code(state, logprobs, token, grammar_next)
+
+
+@functools.partial(jax.jit, static_argnames=("top_logprobs",))
+def first_tokens(state: StepState, rows: Array, *, top_logprobs: int = 0) -> StepOutput:
+    """y_1 of the rows `rows` (int32[R], R >= numerics.MIN_ROWS; repeats allowed) of a state
+    whose prefill just ended, selected exactly as their first `decode_step` will select it
+    (`select` on the same row state), without running the model: the engine streams a
+    prompt's first token as soon as its prefill ends, before the step that writes it
+    (docs/serving.md "First token from the prefill"). The state is read, not changed."""
+    sub = cache_ops.take_rows(state, rows)
+    _, token, _, finish = select(sub)
+    logprob, top_ids, top_lp = _raw_logprobs(sub.logits, token, top_logprobs)
+    return StepOutput(token=jnp.where(sub.live, token, -1), finish=finish, logprob=logprob,
+                      top_ids=top_ids, top_logprobs=top_lp)
+
+
 def decode_step(config: StepConfig, params: Any, state: StepState,
                 research_args: Optional[research_lib.ResearchArgs] = None
                 ) -> tuple[StepState, StepOutput]:
@@ -217,16 +243,10 @@ def decode_step(config: StepConfig, params: Any, state: StepState,
     options (`config.research`, with their args): custom processors, interventions, captures,
     extra outputs and observers (jaxdecode/device/research.py)."""
     model, research = config.model, config.research
-    t = state.step + 1
-    grammar = None if state.grammar is None else (state.grammar, state.grammar_state)
     live = state.live
     bound = None if research is None else research_lib.bind_step(
         research, state.research, state.rows.keys, state.step, state.counts, live)
-    logprobs = processors.process(state.logits, state.rows, state.counts, state.seen, state.step,
-                                  grammar, bound)
-    token = sampling_lib.select(logprobs, state.rows, t, live)
-    grammar_next = None if grammar is None else constraints.next_state(*grammar, token)
-    finish = finish_code(state, logprobs, token, grammar_next)
+    logprobs, token, grammar_next, finish = select(state, bound)
     goes_on = live & (finish == RUNNING)
 
     extra = kv_len_keyword(model, config.kv_len)

@@ -14,6 +14,10 @@ through one per-token path.
     insert(state, rows, slots)     scatter new rows into slots
     copy_pages(state, src, dst)    copy on write of a shared partial page
     set_flags(state, release, paused)
+    first_tokens(state, slots, top_k)
+                                   the first token of rows whose prefill just ended, selected
+                                   as their first step will select it (None: the backend
+                                   does not stream it early)
     step(state, kv_len, top_k, steps, rows)
                                    one step over every row (or over `rows` only, when the
                                    backend `compacts`) -> (state, device output); the plain
@@ -38,7 +42,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxdecode.device import chunks, decode, slots
+from jaxdecode.device import chunks, decode, numerics, slots
 from jaxdecode.device.cache_ops import shared_tables
 from jaxdecode.device.speculative import RoundConfig, spec_round
 from jaxdecode.device.state import RowParams
@@ -74,6 +78,7 @@ class SlotBackend(Protocol):
     def insert(self, state: Any, rows: Any, targets: np.ndarray) -> Any: ...
     def copy_pages(self, state: Any, src: np.ndarray, dst: np.ndarray) -> Any: ...
     def set_flags(self, state: Any, release: np.ndarray, paused: np.ndarray) -> Any: ...
+    def first_tokens(self, state: Any, slots: np.ndarray, top_k: int) -> Any: ...
     def step(self, state: Any, kv_len: int, top_k: int, steps: int = 1,
              rows: Optional[np.ndarray] = None) -> tuple[Any, Any]: ...
     def fetch(self, out: Any, top_k: int) -> StepResult: ...
@@ -159,6 +164,9 @@ class _Rows:
     def observe(self, r: Any, result: StepResult, slot: int) -> None:
         return None
 
+    def first_tokens(self, state: Any, slots: np.ndarray, top_k: int) -> Any:
+        return None
+
     def warmup(self, state: Any, chunk_shapes: Sequence[tuple], prompt_widths: Sequence[int],
                kv_buckets: Sequence[int], top_ks: Sequence[int],
                row_counts: Sequence[int] = ()) -> Any:
@@ -186,6 +194,9 @@ class _Rows:
             for top_k in top_ks:
                 for rows in subsets:
                     state, out = self.step(state, kv, top_k, rows=rows)
+        for n in sorted({row_bucket(n) for n in range(1, self.rows + 1)}):
+            for top_k in top_ks:
+                self.first_tokens(state, np.zeros((n,), np.int32), top_k)
         return state
 
 
@@ -199,6 +210,17 @@ class PlainBackend(_Rows):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.compacts = self.research is None and self.mesh is None
+
+    def first_tokens(self, state: Any, slots: np.ndarray, top_k: int) -> Any:
+        """`decode.first_tokens` of rows `slots` (n of them) in a call of
+        `shapes.row_bucket(n)` rows, at least numerics.MIN_ROWS (the first slot repeated pads
+        it); output row i is slots[i]. None with research options (a processor may couple
+        rows, and their outputs come with the step) or a mesh (rows on other devices)."""
+        if not self.compacts:
+            return None
+        rows = np.full((max(row_bucket(len(slots)), numerics.MIN_ROWS),), slots[0], np.int32)
+        rows[:len(slots)] = slots
+        return decode.first_tokens(state, rows, top_logprobs=top_k)
 
     def step(self, state: Any, kv_len: int, top_k: int, steps: int = 1,
              rows: Optional[np.ndarray] = None) -> tuple[Any, Any]:

@@ -125,10 +125,12 @@ class EngineCore:
                 self.scheduler.drop_ended()
                 self._run_beams()
                 self._admit()
-                self._prefill()
+                first = self._prefill()
                 dispatched = self._dispatch()
                 if in_flight is not None:
                     self.output.process(in_flight)
+                if first is not None:
+                    self.output.process_first(first)
                 in_flight = dispatched
                 if in_flight is None:
                     self._wait_for_readers()
@@ -218,18 +220,28 @@ class EngineCore:
                 self.scheduler.place(r, slot, len(r.token_ids), prefilling=True)
         self._admitting = []
 
-    def _prefill(self) -> None:
+    def _prefill(self) -> Optional[Dispatched]:
         """This iteration's prefill chunks (scheduler.chunks), one CHUNK op per batch; after a
-        prompt's last chunk its rows start decoding."""
+        prompt's last chunk its rows start decoding. Returns the first tokens of those rows
+        (`backend.first_tokens`, one call), which the loop streams once the step in flight is
+        processed, before the step that selects them again ends; None when there are none or
+        the backend does not stream them early."""
+        started: list = []
         for batch in self.scheduler.chunks():
             self._admitting = [c.request for c in batch]
-            self._run_chunks(batch)
+            started += self._run_chunks(batch)
         self._admitting = []
+        if not started:
+            return None
+        top_k = self.logprobs_k if any(r.logprobs is not None for r in started) else 0
+        out = self.backend.first_tokens(self.state, np.array([r.slot for r in started],
+                                                             np.int32), top_k)
+        return None if out is None else Dispatched(out=out, owners=started, top_k=top_k)
 
-    def _run_chunks(self, batch: list, activate: bool = True) -> None:
+    def _run_chunks(self, batch: list, activate: bool = True) -> list:
         """Chunks of one program shape in one call; after a prompt's last chunk its request
         (and its sharers) decode -- their lifecycle moves on unless this is a probe of
-        `recover` (`activate` False)."""
+        `recover` (`activate` False). Returns the requests that start decoding."""
         tokens = np.zeros((len(batch), batch[0].t), np.int32)
         for i, c in enumerate(batch):
             tokens[i, :c.length] = self.scheduler.prefill_inputs(c.request)[
@@ -243,13 +255,16 @@ class EngineCore:
             finals))
         for c in batch:
             self.scheduler.register(c)
+        started = []
         for i, _ in finals:
             r = batch[i].request
             for x in [r] + (r.sharers or []):
                 x.is_prefilling = False
+                started.append(x)
                 if activate and not x.lifecycle.try_transition(RequestState.DECODING):
                     x.lifecycle.record("engine.resumed", selected=x.selected,
                                        processor_states_reset=self.stateful_processors)
+        return started
 
     def _new_rows(self, r: Request, inputs: list) -> step_ops.NewRows:
         """The rows that start decoding after r's prompt: r and the samples sharing its prompt
@@ -257,6 +272,8 @@ class EngineCore:
         tokens (requeued by `recover`) goes on at its own step: its penalty counts, RNG step
         and grammar state are those it had, so it selects what it would have selected."""
         group = [r] + (r.sharers or [])
+        for x in group:  # a rebuilt row goes on after every token the host has
+            x.ahead = None
         n, vocab, ps = len(inputs), self.ctx.model.config.vocab_size, self.ctx.page_size
         prompt = np.zeros((decode.bucket(n, self.ctx.max_len),), np.int32)
         prompt[:n] = inputs

@@ -80,11 +80,36 @@ class OutputProcessor:
                 self._row(r, result, slot)
         self.sweep(list(self.scheduler.slots))
 
+    def process_first(self, first: Dispatched) -> None:
+        """The first tokens of the rows whose prefill just ended (`backend.first_tokens`; owner
+        i is row i), streamed before the step that selects them again: each goes through
+        `on_token` now, and that step's copy is checked and skipped (`_row`). A request that
+        ended, was paused by its user or left its slot meanwhile waits for its step."""
+        result = self.backend.fetch(first.out, first.top_k)  # one transfer
+        for i, r in enumerate(first.owners):
+            if (r.lifecycle.is_terminal or r.slot is None or r.user_paused
+                    or r.ahead is not None or int(result.counts[i]) != 1):
+                continue
+            with self.isolated(r):
+                if r.lifecycle.observe_cancel():
+                    self.end_cancelled(r)
+                    continue
+                self._row(r, result, i)
+                if not r.lifecycle.is_terminal:
+                    r.ahead = int(result.tokens[i, 0])
+
     def _row(self, r: Request, result: StepResult, slot: int) -> None:
         count = int(result.counts[slot])
         for i in range(count):
             code = int(result.finish[slot]) if i == count - 1 else RUNNING
             token = int(result.tokens[slot, i])
+            if r.ahead is not None:  # streamed from its prefill (process_first)
+                expected, r.ahead = r.ahead, None
+                if token != expected:  # the same selection on the same row state (X1)
+                    self.fail(r, ErrorCode.MODEL_ERROR, f"the first step selected token "
+                              f"{token}, not the {expected} streamed from the prefill")
+                    return
+                continue
             entry = (logprob_entry(r, token, result.logprob[slot, i], result.top_ids[slot, i],
                                    result.top_logprobs[slot, i])
                      if r.logprobs is not None else None)

@@ -54,6 +54,7 @@ class Request:
         self.selected = self.processed = 0
         self.dispatched = 0          # steps dispatched while in a slot (may lead `selected`)
         self.in_flight = 0           # dispatched calls of this row not yet processed
+        self.ahead: Optional[int] = None  # first token streamed before its step (core.py)
         self.slot: Optional[int] = None
         self.faults = 0              # failed engine steps it was running in (core recovery)
         self.error_message = ""
