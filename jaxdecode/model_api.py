@@ -188,7 +188,10 @@ class DecoderModel(Protocol):
       (logits f32[B, T, vocab_size], cache with lengths = one past the last written position).
     Models must be hashable (frozen dataclasses): they are static arguments of jitted functions.
     A model may also accept an optional static keyword `kv_len`: attend to cache positions
-    [0, kv_len) only (the decoder passes it when every row is shorter; models without it work).
+    [0, kv_len) only (the decoder passes it when every row is shorter; models without it work),
+    and an optional static keyword `last_only`: return only the logits after each row's last
+    real token, [B, 1, vocab_size] (the decoder's prompt passes ask for it; without it they
+    take that row of the full logits).
 
     Hook points (optional, jaxdecode/device/hooks.py): a model that accepts the keyword `hook` calls
     `x = hook(name, x)` at each point of `hook_points(config.num_layers)`, in that order, with

@@ -90,6 +90,8 @@ class GPT2(L.CachedDecoder):
 
     def _run(self, params: dict, tokens: Array, positions: Array, attend, tile,
              hook=None) -> Array:
+        """The hidden states after the final norm, [B, T, D] (`CachedDecoder._head` maps them
+        to logits)."""
         c = self.config
         b, t = tokens.shape
         act = ACTIVATIONS[c.activation]
@@ -117,6 +119,4 @@ class GPT2(L.CachedDecoder):
         x = L.layer_norm(x, params["final_norm"], params["final_norm_bias"], eps)
         if hook is not None:
             x = hook("final_norm", x)
-        tied = c.tie_word_embeddings
-        return L.dense(x, params["embed"] if tied else params["lm_head"], tile, transpose=tied,
-                       out_dtype=jnp.float32)
+        return x

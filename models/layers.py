@@ -291,7 +291,8 @@ def _attention_elementwise(q: Array, k: Array, v: Array, q_pos: Array, k_pos: Ar
 
 class CachedDecoder:
     """The `DecoderModel` protocol methods every family shares. A family is a frozen dataclass
-    with a `config` and `_run(params, tokens, positions, attend, tile, hook) -> logits`, where
+    with a `config` and `_run(params, tokens, positions, attend, tile, hook) -> hidden states`
+    after the final norm (`_head` maps them to logits: the tied embedding or `lm_head`), where
     `attend(layer, q, k, v, window=None, scale=None)` takes this call's queries [B, T, H, D]
     and keys / values [B, T, KVH, D] (RoPE applied) and returns the attention output
     [B, T, H, D] -- in the cached forward after writing k, v into the cache (a `KVCache` or a
@@ -306,11 +307,14 @@ class CachedDecoder:
         return KVCache.zeros(c.num_layers, batch, max_len, c.num_kv_heads, c.head_dim, dtype)
 
     def forward(self, params: dict, tokens: Array, positions: Array, cache: Any, *,
-                lengths: Array, kv_len: Optional[int] = None,
-                hook: Optional[Any] = None) -> tuple[Array, Any]:
+                lengths: Array, kv_len: Optional[int] = None, hook: Optional[Any] = None,
+                last_only: bool = False) -> tuple[Array, Any]:
         """The protocol's forward: each layer's K/V is written at its absolute positions
         (padding dropped); `kv_len` (static, optional) limits attention to the first kv_len
-        cache positions when the caller knows every row is shorter; `hook(name, x) -> x` is
+        cache positions when the caller knows every row is shorter; `last_only` (static)
+        returns only the logits after each row's last token, [B, 1, V] (a prompt pass: the
+        output head reads its weights once per 8 rows, as in a decode step, not once per row
+        of T tokens -- the head is 14% of llama-512's weights); `hook(name, x) -> x` is
         called at each of `model_api.hook_points` (jaxdecode/device/hooks.py). On a GPU or
         TPU a decode step over a `PagedKVCache` runs the Pallas paged-attention kernel
         (models/paged_attention.py); everywhere else attention reads the gathered pages."""
@@ -337,9 +341,11 @@ class CachedDecoder:
             return attention(q, keys.astype(q.dtype), values.astype(q.dtype), positions, key_pos,
                              window, scale)
 
-        logits = self._run(params, tokens, positions, attend, Tiles.upto_last_live(lengths),
-                           hook)
-        return logits, cache.replace(lengths=new_lengths)
+        tiles = Tiles.upto_last_live(lengths)
+        x = self._run(params, tokens, positions, attend, tiles, hook)
+        if last_only:
+            x = jnp.take_along_axis(x, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)
+        return self._head(params, x, tiles), cache.replace(lengths=new_lengths)
 
     def logits(self, params: dict, tokens: Array, positions: Optional[Array] = None,
                hook: Optional[Any] = None) -> Array:
@@ -353,4 +359,10 @@ class CachedDecoder:
             return attention(q, heads_major(k), heads_major(v), positions, positions, window,
                              scale)
 
-        return self._run(params, tokens, positions, attend, None, hook)
+        return self._head(params, self._run(params, tokens, positions, attend, None, hook), None)
+
+    def _head(self, params: dict, x: Array, tile: Optional[Tiles]) -> Array:
+        """Hidden states [B, T, D] -> f32 logits [B, T, V] (the tied embedding or lm_head)."""
+        tied = self.config.tie_word_embeddings
+        return dense(x, params["embed"] if tied else params["lm_head"], tile, transpose=tied,
+                     out_dtype=jnp.float32)

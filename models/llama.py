@@ -79,6 +79,8 @@ class Llama(L.CachedDecoder):
 
     def _run(self, params: dict, tokens: Array, positions: Array, attend, tile,
              hook=None) -> Array:
+        """The hidden states after the final norm, [B, T, D] (`CachedDecoder._head` maps them
+        to logits)."""
         c = self.config
         b, t = tokens.shape
         inv_freq = L.rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling_dict)
@@ -103,6 +105,4 @@ class Llama(L.CachedDecoder):
         x = L.rms_norm(x, params["final_norm"], c.rms_norm_eps)
         if hook is not None:
             x = hook("final_norm", x)
-        tied = c.tie_word_embeddings
-        return L.dense(x, params["embed"] if tied else params["lm_head"], tile, transpose=tied,
-                       out_dtype=jnp.float32)
+        return x

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from jaxdecode.device import cache_ops
 from jaxdecode.device import research as research_lib
-from jaxdecode.device.decode import kv_len_keyword
+from jaxdecode.device.decode import kv_len_keyword, last_logits
 from jaxdecode.device.speculative.state import SpecState
 from jaxdecode.device.state import RowParams, StepState
 from jaxdecode.model_api import DecoderModel, PagedKVCache
@@ -52,10 +52,9 @@ def _write(model: DecoderModel, params: Any, pool: PagedKVCache, tokens: Array, 
            length: Array, table: Array, kv_len: int) -> tuple[PagedKVCache, Array]:
     view = pool.replace(page_table=table, lengths=start)
     positions = start[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
-    logits, out = model.forward(params, tokens, positions, view, lengths=length,
-                                **kv_len_keyword(model, kv_len))
-    last = jnp.take_along_axis(logits, jnp.maximum(length - 1, 0)[:, None, None], axis=1)[:, 0]
-    return pool.replace(k=out.k, v=out.v), last.astype(jnp.float32)
+    last, out = last_logits(model, params, tokens, positions, view, length,
+                            **kv_len_keyword(model, kv_len))
+    return pool.replace(k=out.k, v=out.v), last
 
 
 @cache_ops.shared_tables

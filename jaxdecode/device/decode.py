@@ -115,6 +115,20 @@ def kv_len_keyword(model: DecoderModel, kv_len: Optional[int]) -> dict:
     return {"kv_len": kv_len} if kv_len is not None and accepts_kv_len(type(model)) else {}
 
 
+def last_logits(model: DecoderModel, params: Any, tokens: Array, positions: Array, cache: Any,
+                lengths: Array, **extra: Any) -> tuple[Array, Any]:
+    """A prompt pass: the forward, and the f32 logits [B, V] after each row's last token
+    (lengths int32[B]; a row without tokens gives its first position's). Asks the model for
+    those logits only (`last_only`) when its forward takes the keyword (model_api)."""
+    if "last_only" in inspect.signature(type(model).forward).parameters:
+        logits, cache = model.forward(params, tokens, positions, cache, lengths=lengths,
+                                      last_only=True, **extra)
+        return logits[:, 0].astype(jnp.float32), cache
+    logits, cache = model.forward(params, tokens, positions, cache, lengths=lengths, **extra)
+    last = jnp.take_along_axis(logits, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)
+    return last[:, 0].astype(jnp.float32), cache
+
+
 def research_hook(research: Optional[research_lib.ResearchConfig], args: Any, captured: dict,
                   select) -> dict:
     """The forward's `hook` keyword for a research run with capture or interventions (captured
@@ -143,12 +157,11 @@ def prefill(config: PrefillConfig, params: Any, tokens: Array, lengths: Array, r
     captured: dict = {}
     extra.update(research_hook(research, research_args, captured, lambda x: jnp.take_along_axis(
         x, (lengths - 1)[:, None, None], axis=1)[:, 0]))
-    logits, cache = model.forward(params, tokens, positions, cache, lengths=lengths, **extra)
-    last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
+    last, cache = last_logits(model, params, tokens, positions, cache, lengths, **extra)
     vocab = last.shape[-1]
     real = jnp.arange(t)[None, :] < lengths[:, None]
     seen = jnp.zeros((b, vocab), bool).at[jnp.arange(b)[:, None], tokens].max(real)
-    state = StepState(cache=cache, logits=last.astype(jnp.float32),
+    state = StepState(cache=cache, logits=last,
                       last_token=jnp.full((b,), -1, jnp.int32), step=jnp.zeros((b,), jnp.int32),
                       counts=jnp.zeros((b, vocab), jnp.int32), seen=seen,
                       done=jnp.zeros((b,), bool), paused=jnp.zeros((b,), bool),

@@ -129,8 +129,8 @@ class EngineCore:
                 dispatched = self._dispatch()
                 if in_flight is not None:
                     self.output.process(in_flight)
-                if first is not None:
-                    self.output.process_first(first)
+                for tokens in first:
+                    self.output.process_first(tokens)
                 in_flight = dispatched
                 if in_flight is None:
                     self._wait_for_readers()
@@ -220,23 +220,24 @@ class EngineCore:
                 self.scheduler.place(r, slot, len(r.token_ids), prefilling=True)
         self._admitting = []
 
-    def _prefill(self) -> Optional[Dispatched]:
+    def _prefill(self) -> list[Dispatched]:
         """This iteration's prefill chunks (scheduler.chunks), one CHUNK op per batch; after a
-        prompt's last chunk its rows start decoding. Returns the first tokens of those rows
-        (`backend.first_tokens`, one call), which the loop streams once the step in flight is
-        processed, before the step that selects them again ends; None when there are none or
-        the backend does not stream them early."""
-        started: list = []
+        prompt's last chunk its rows start decoding. Returns, per batch, the first tokens of
+        those rows (`backend.first_tokens`), which the loop streams once the step in flight is
+        processed, each batch as soon as its own call ends, before the step that selects them
+        again ends; none when the backend does not stream them early."""
+        first = []
         for batch in self.scheduler.chunks():
             self._admitting = [c.request for c in batch]
-            started += self._run_chunks(batch)
+            started = self._run_chunks(batch)
+            if started:
+                top_k = self.logprobs_k if any(r.logprobs is not None for r in started) else 0
+                out = self.backend.first_tokens(
+                    self.state, np.array([r.slot for r in started], np.int32), top_k)
+                if out is not None:
+                    first.append(Dispatched(out=out, owners=started, top_k=top_k))
         self._admitting = []
-        if not started:
-            return None
-        top_k = self.logprobs_k if any(r.logprobs is not None for r in started) else 0
-        out = self.backend.first_tokens(self.state, np.array([r.slot for r in started],
-                                                             np.int32), top_k)
-        return None if out is None else Dispatched(out=out, owners=started, top_k=top_k)
+        return first
 
     def _run_chunks(self, batch: list, activate: bool = True) -> list:
         """Chunks of one program shape in one call; after a prompt's last chunk its request

@@ -291,7 +291,8 @@ class Scheduler:
         """This iteration's prefill chunks: at most `prefill_chunk` tokens (at least one
         chunk), one chunk per request, the oldest admitted request first; batched by program
         shape (T, attention bucket), each batch one device call (so the chunks of one iteration
-        never depend on each other)."""
+        never depend on each other), the shortest chunks first (their prompts' first tokens
+        stream as soon as their own call ends: core.py)."""
         out, budget = [], self.prefill_chunk
         for r in list(self.prefilling):
             inputs = len(self.prefill_inputs(r))
@@ -309,7 +310,7 @@ class Scheduler:
         batches: dict = {}
         for c in out:
             batches.setdefault((c.t, c.kv_len), []).append(c)
-        return list(batches.values())
+        return [batches[shape] for shape in sorted(batches)]
 
     def free(self, r: Request) -> None:
         """Release `r`'s slot and pages (the device row is marked done before the next
