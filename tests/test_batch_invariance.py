@@ -253,6 +253,29 @@ def test_invariance_dense_stops_after_the_last_live_row(t):
     assert not np.asarray(run(x, np.zeros(16, np.int32))).any()
 
 
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_last_only_logits_are_each_rows_last_position(family, name):
+    """A prompt pass asks only for the logits after each row's last token (`last_only`): the
+    output head runs on those hidden rows alone (8-row tiles, as in a decode step), so the
+    values are the full forward's at lengths - 1 up to rounding, and the KV written is the
+    same."""
+    model, params = family(name)
+    rng = np.random.default_rng(1)
+    lengths = np.array([16, 5, 9], np.int32)
+    tokens = np.zeros((3, 16), np.int32)
+    for i, n in enumerate(lengths):
+        tokens[i, :n] = rng.integers(3, model.config.vocab_size, n)
+    positions = np.broadcast_to(np.arange(16, dtype=np.int32), (3, 16))
+    run = jax.jit(lambda last: model.forward(params, tokens, positions,
+                                             model.init_cache(3, 32), lengths=lengths,
+                                             last_only=last), static_argnums=0)
+    (full, cache), (last, cache_last) = run(False), run(True)
+    assert last.shape == (3, 1, model.config.vocab_size)
+    np.testing.assert_allclose(np.asarray(last[:, 0]), np.asarray(full)[np.arange(3), lengths - 1],
+                               rtol=1e-5, atol=1e-5)
+    assert np.array_equal(np.asarray(cache.k), np.asarray(cache_last.k))
+
+
 # -- tokens: the issue's reproduction and many seeds (demo model) ------------------------------
 
 def test_invariance_issue_reproduction_seed_50448_alone_and_in_batches():

@@ -168,7 +168,8 @@ def test_compaction_rows_are_the_live_slots_and_idle_ones_to_a_power_of_two():
 
 def test_prefill_chunks_of_one_iteration_are_batched_by_program_shape():
     """scheduler.chunks: one chunk per request within the `prefill_chunk` token budget, oldest
-    first, grouped by (T, attention bucket), each group one device call; `chunk_rows` are
+    first, grouped by (T, attention bucket), each group one device call, the shortest groups
+    first; `chunk_rows` are
     the row counts such a call can have (warm-up compiles each)."""
     from jaxdecode.engine.pages import PagePool
     from jaxdecode.engine.scheduler import Scheduler, chunk_rows
@@ -184,6 +185,13 @@ def test_prefill_chunks_of_one_iteration_are_batched_by_program_shape():
     assert [shape(x) for x in s.chunks()] == [[(d, 0, 64, 64, 128, False)]]
     assert [shape(x) for x in s.chunks()] == [[(d, 64, 64, 36, 128, True)]]
     assert s.chunks() == [] and s.prefilling == []
+    # the shortest chunks run first, whatever the order of arrival: their prompts' first
+    # tokens stream as soon as their own call ends (core.py)
+    e, f = (types.SimpleNamespace(prompt_ids=[5] * n, token_ids=[], prefilled=0)
+            for n in (30, 15))
+    s.prefilling = [e, f]
+    assert [shape(x) for x in s.chunks()] == [[(f, 0, 16, 15, 128, True)],
+                                              [(e, 0, 32, 30, 128, True)]]
     assert chunk_rows(16, 64, 8) == [1, 2, 4] and chunk_rows(64, 64, 8) == [1]
     assert chunk_rows(16, 256, 3) == [1, 2, 4]
 
