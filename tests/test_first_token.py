@@ -8,19 +8,7 @@ import pytest
 
 import jaxdecode as jd
 from jaxdecode.engine.backend import PlainBackend
-from tests.host_fixtures import byte_level_tokenizer
-
-
-@pytest.fixture(scope="module")
-def llama():
-    from models import Llama, LlamaConfig
-
-    tok = byte_level_tokenizer()
-    cfg = LlamaConfig(vocab_size=tok.get_vocab_size(), num_layers=2, num_heads=4,
-                      num_kv_heads=2, head_dim=8, max_len=128, hidden_size=32,
-                      intermediate_size=64, eos_token_ids=(0,))
-    model = Llama(cfg)
-    return model, model.init_params(jax.random.key(5), scale=0.3), tok
+from tests.test_engine_steps import llama  # noqa: F401 (the fixture: a tiny random Llama)
 
 
 def _settings(**kw):
