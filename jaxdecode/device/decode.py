@@ -105,14 +105,14 @@ class LoopConfig:
 # -- prefill and the step ----------------------------------------------------------------------
 
 @functools.lru_cache(maxsize=None)
-def accepts_kv_len(model_type: type) -> bool:
-    """Whether a model's forward takes the optional static `kv_len` (attend to a prefix only)."""
-    return "kv_len" in inspect.signature(model_type.forward).parameters
+def accepts(model_type: type, keyword: str) -> bool:
+    """Whether a model's forward takes an optional keyword (`kv_len`, `last_only`: model_api)."""
+    return keyword in inspect.signature(model_type.forward).parameters
 
 
 def kv_len_keyword(model: DecoderModel, kv_len: Optional[int]) -> dict:
     """The forward's `kv_len` keyword when there is a bound and the model takes one."""
-    return {"kv_len": kv_len} if kv_len is not None and accepts_kv_len(type(model)) else {}
+    return {"kv_len": kv_len} if kv_len is not None and accepts(type(model), "kv_len") else {}
 
 
 def last_logits(model: DecoderModel, params: Any, tokens: Array, positions: Array, cache: Any,
@@ -120,7 +120,7 @@ def last_logits(model: DecoderModel, params: Any, tokens: Array, positions: Arra
     """A prompt pass: the forward, and the f32 logits [B, V] after each row's last token
     (lengths int32[B]; a row without tokens gives its first position's). Asks the model for
     those logits only (`last_only`) when its forward takes the keyword (model_api)."""
-    if "last_only" in inspect.signature(type(model).forward).parameters:
+    if accepts(type(model), "last_only"):
         logits, cache = model.forward(params, tokens, positions, cache, lengths=lengths,
                                       last_only=True, **extra)
         return logits[:, 0].astype(jnp.float32), cache
