@@ -63,6 +63,25 @@ def test_first_token_streams_from_the_prefill_X1_same_completions(llama, monkeyp
         assert not _first_selected_before_second_step(late[i])
 
 
+def test_first_token_O2_written_when_its_step_is_processed(llama):
+    """O2: a first token streamed from the prefill is selected at once, and counted as written
+    (`decode.completed`) only when the step that writes it is processed."""
+    model, params, tok = llama
+    with jd.LLM(model, params, tok, max_slots=2, max_len=128, decode_steps=1) as llm:
+        c = llm.generate([[5, 6, 7]], _settings(temperature=0.0, max_tokens=6,
+                                                ignore_eos=True))[0]
+    order = [(e.kind, e.data.get("step")) for e in c.events
+             if e.kind in ("token.selected", "decode.started", "decode.completed")]
+    assert (order.index(("token.selected", 1)) < order.index(("decode.started", 2))
+            < order.index(("decode.completed", 1)))
+    selected = written = 0
+    for kind, step in order:
+        selected += kind == "token.selected"
+        written += kind == "decode.completed"
+        assert selected - written in (0, 1)
+    assert (c.usage.selected_tokens, c.usage.processed_tokens) == (6, 5)
+
+
 def test_first_token_a_step_that_selects_another_fails_the_request_loudly(llama, monkeypatch):
     """The step's copy of a streamed first token is compared, not trusted: were the two
     selections ever to differ, the request fails (model_error) rather than go on from a token

@@ -194,7 +194,7 @@ class _Rows:
             for top_k in top_ks:
                 for rows in subsets:
                     state, out = self.step(state, kv, top_k, rows=rows)
-        for n in sorted({row_bucket(n) for n in range(1, self.rows + 1)}):
+        for n in sorted({first_rows(n) for n in range(1, self.rows + 1)}):
             for top_k in top_ks:
                 self.first_tokens(state, np.zeros((n,), np.int32), top_k)
         return state
@@ -213,12 +213,11 @@ class PlainBackend(_Rows):
 
     def first_tokens(self, state: Any, slots: np.ndarray, top_k: int) -> Any:
         """`decode.first_tokens` of rows `slots` (n of them) in a call of
-        `shapes.row_bucket(n)` rows, at least numerics.MIN_ROWS (the first slot repeated pads
-        it); output row i is slots[i]. None with research options (a processor may couple
+        `first_rows(n)` rows (the first slot repeated pads it); output row i is slots[i]. None with research options (a processor may couple
         rows, and their outputs come with the step) or a mesh (rows on other devices)."""
         if not self.compacts:
             return None
-        rows = np.full((max(row_bucket(len(slots)), numerics.MIN_ROWS),), slots[0], np.int32)
+        rows = np.full((first_rows(len(slots)),), slots[0], np.int32)
         rows[:len(slots)] = slots
         return decode.first_tokens(state, rows, top_logprobs=top_k)
 
@@ -256,6 +255,12 @@ class PlainBackend(_Rows):
     def kv_needed(self, r: Any, steps: int = 1) -> int:
         """Prompt, dispatched steps and the tokens this step writes."""
         return len(r.prompt_ids) + r.dispatched + steps
+
+
+def first_rows(n: int) -> int:
+    """The rows of a `first_tokens` call for n new rows: a power of two, at least
+    numerics.MIN_ROWS (warm-up compiles each)."""
+    return max(row_bucket(n), numerics.MIN_ROWS)
 
 
 @functools.lru_cache(maxsize=None)

@@ -83,8 +83,9 @@ class OutputProcessor:
     def process_first(self, first: Dispatched) -> None:
         """The first tokens of the rows whose prefill just ended (`backend.first_tokens`; owner
         i is row i), streamed before the step that selects them again: each goes through
-        `on_token` now, and that step's copy is checked and skipped (`_row`). A request that
-        ended, was paused by its user or left its slot meanwhile waits for its step."""
+        `on_token` now, and that step's copy is checked and skipped (`_row`): the token is
+        selected now and written when that step is processed (O2). A request that ended, was
+        paused by its user or left its slot meanwhile waits for its step."""
         result = self.backend.fetch(first.out, first.top_k)  # one transfer
         for i, r in enumerate(first.owners):
             if (r.lifecycle.is_terminal or r.slot is None or r.user_paused
@@ -94,11 +95,11 @@ class OutputProcessor:
                 if r.lifecycle.observe_cancel():
                     self.end_cancelled(r)
                     continue
-                self._row(r, result, i)
+                self._row(r, result, i, written=False)
                 if not r.lifecycle.is_terminal:
                     r.ahead = int(result.tokens[i, 0])
 
-    def _row(self, r: Request, result: StepResult, slot: int) -> None:
+    def _row(self, r: Request, result: StepResult, slot: int, written: bool = True) -> None:
         count = int(result.counts[slot])
         for i in range(count):
             code = int(result.finish[slot]) if i == count - 1 else RUNNING
@@ -109,11 +110,12 @@ class OutputProcessor:
                     self.fail(r, ErrorCode.MODEL_ERROR, f"the first step selected token "
                               f"{token}, not the {expected} streamed from the prefill")
                     return
+                self._written(r)
                 continue
             entry = (logprob_entry(r, token, result.logprob[slot, i], result.top_ids[slot, i],
                                    result.top_logprobs[slot, i])
                      if r.logprobs is not None else None)
-            self.on_token(r, token, code, entry)
+            self.on_token(r, token, code, entry, written)
             if r.lifecycle.is_terminal:
                 break
 
@@ -133,7 +135,10 @@ class OutputProcessor:
                 continue
             yield slot, r
 
-    def on_token(self, r: Request, token: int, code: int, entry: Optional[TokenLogprob]) -> None:
+    def on_token(self, r: Request, token: int, code: int, entry: Optional[TokenLogprob],
+                 written: bool = True) -> None:
+        """One selected token; `written`: the step that selected it also wrote it (not so for
+        a first token streamed from the prefill, `process_first`)."""
         lc = r.lifecycle
         if code in ERRORS:  # NaN logits, every token masked, a grammar dead end (P2):
             self.fail(r, ERRORS[code], ERRORS[code].value)  # nothing selected
@@ -157,10 +162,16 @@ class OutputProcessor:
             lc.record("stop.hit", stop=pushed.hit.stop, index=pushed.hit.index)
             self.end(r, FinishReason.STOP_SEQUENCE, stop=pushed.hit.stop)
         elif code == RUNNING:
-            r.processed += 1
-            lc.record("decode.completed", step=t, cache_length=len(r.prompt_ids) + t)
+            if written:
+                self._written(r)
         else:  # MAX_TOKENS, CONTEXT_LIMIT, GRAMMAR_COMPLETE, or a shown stop id
             self.end(r, FINISH_REASONS[code], stop=token if code == STOP_TOKEN else None)
+
+    def _written(self, r: Request) -> None:
+        """The last selected token is in the cache and the request goes on (O2)."""
+        r.processed += 1
+        r.lifecycle.record("decode.completed", step=r.selected,
+                           cache_length=len(r.prompt_ids) + r.selected)
 
     def emit(self, r: Request, text: str) -> None:
         """A delta: `text` and the logprobs of the tokens returned since the last one."""
