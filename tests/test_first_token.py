@@ -1,5 +1,5 @@
 """A prompt's first token is streamed as soon as its prefill ends (engine/core.py `_prefill`,
-`decode.first_tokens`), before the decode step that selects it again: the same completions as
+`chunks.start_rows`), before the decode step that selects it again: the same completions as
 without it (SPEC X1: the same selection on the same row state), and the step's copy of the
 token is checked, never shown twice."""
 
@@ -7,7 +7,7 @@ import jax
 import pytest
 
 import jaxdecode as jd
-from jaxdecode.engine.backend import PlainBackend
+from jaxdecode.engine.backend import PlainBackend, _Rows
 from tests.test_engine_steps import llama  # noqa: F401 (the fixture: a tiny random Llama)
 
 
@@ -39,8 +39,8 @@ def _first_selected_before_second_step(c: jd.Completion) -> bool:
 
 def _run(llama, early: bool, monkeypatch) -> list:
     model, params, tok = llama
-    if not early:
-        monkeypatch.setattr(PlainBackend, "first_tokens", lambda self, *a: None)
+    if not early:  # row by row, as a speculative engine starts its rows: no first tokens
+        monkeypatch.setattr(PlainBackend, "start", _Rows.start)
     with jd.LLM(model, params, tok, max_slots=4, max_len=128, decode_steps=1) as llm:
         out = llm.generate(PROMPTS, SETTINGS)
     monkeypatch.undo()
@@ -87,17 +87,17 @@ def test_first_token_a_step_that_selects_another_fails_the_request_loudly(llama,
     selections ever to differ, the request fails (model_error) rather than go on from a token
     its client never saw; the other requests go on."""
     model, params, tok = llama
-    real = PlainBackend.first_tokens
+    real = PlainBackend.start
 
-    def off_by_one(self, state, slots, top_k):
-        out = real(self, state, slots, top_k)
-        return out.replace(token=jax.numpy.where(jax.numpy.arange(out.token.shape[0]) == 0,
-                                                 (out.token + 1) % 250, out.token))
+    def off_by_one(self, *args):
+        state, out = real(self, *args)
+        return state, out.replace(token=jax.numpy.where(
+            jax.numpy.arange(out.token.shape[0]) == 0, (out.token + 1) % 250, out.token))
 
     sp = _settings(temperature=0.0, max_tokens=6, ignore_eos=True)
     with jd.LLM(model, params, tok, max_slots=4, max_len=128, decode_steps=1) as llm:
         want = llm.generate([[5, 6, 7]], sp)[0]
-        monkeypatch.setattr(PlainBackend, "first_tokens", off_by_one)
+        monkeypatch.setattr(PlainBackend, "start", off_by_one)
         got = llm.generate([[5, 6, 7]], sp)[0]
         monkeypatch.undo()
         after = llm.generate([[5, 6, 7]], sp)[0]
@@ -106,3 +106,71 @@ def test_first_token_a_step_that_selects_another_fails_the_request_loudly(llama,
     assert "streamed from the prefill" in failed[0].data["message"]
     assert got.token_ids == ((want.token_ids[0] + 1) % 250,)  # what its client saw
     assert after.token_ids == want.token_ids and len(want.token_ids) == 6
+
+
+def test_start_rows_one_call_equals_row_by_row(llama, monkeypatch):
+    """A chunk call's new rows -- a request with a sample sharing its prompt pages, a request
+    rebuilt after a failed step (resume), a constrained row -- start in one device call
+    (`chunks.start_rows`), leaving the state bit for bit as the row-by-row path (three calls a
+    row) leaves it; the first tokens it returns are those the first step then selects."""
+    import numpy as np
+
+    from jaxdecode.device import chunks, decode
+    from jaxdecode.device.state import RowParams
+    from jaxdecode.engine import step_ops
+
+    model, params, _ = llama
+    vocab, eos = model.config.vocab_size, (0,)
+    ctx = step_ops.Context(model, params, 6, 64, eos)
+    sps = [jd.SamplingParams(temperature=0.9, seed=4, top_k=7),
+           jd.SamplingParams(temperature=0.9, seed=5, presence_penalty=0.7),
+           jd.SamplingParams(temperature=0.0, repetition_penalty=1.5),
+           jd.SamplingParams(temperature=1.2, seed=9, logprobs=3)]
+    keys = np.arange(8, dtype=np.uint32).reshape(4, 2) + 1
+    prompts = [[5, 6, 7, 5], [9, 9, 40], [1, 2, 3, 4, 5, 6, 7, 8, 9]]
+    rows = RowParams.build(sps, vocab, eos, keys=keys)
+    part = lambda i, j: RowParams(**{k: v[i:j] for k, v in vars(rows).items()})  # noqa: E731
+    pages = lambda *p: np.array([list(x) + [0] * (4 - len(x)) for x in p], np.int32)  # noqa: E731
+    counts = np.zeros((1, vocab), np.int32)
+    counts[0, [8, 9]] = 1
+    finals = [
+        step_ops.NewRows(np.array(prompts[0] + [0] * 12, np.int32), 4, np.array([0, 3]),
+                         pages([1], [2]), part(0, 2), np.array([-1, -1], np.int32),
+                         copies=(np.array([1], np.int32), np.array([2], np.int32))),
+        step_ops.NewRows(np.array(prompts[1] + [0] * 13, np.int32), 3, np.array([5]),
+                         pages([3]), part(2, 3), np.array([2], np.int32),
+                         resume=(np.array([2], np.int32), counts, np.array([9], np.int32),
+                                 np.array([1], np.int32))),
+        step_ops.NewRows(np.array(prompts[2] + [0] * 7, np.int32), 9, np.array([1]),
+                         pages([4]), part(3, 4), np.array([-1], np.int32))]
+    tokens = np.zeros((3, 16), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, :len(p)] = p
+    op = step_ops.chunk(tokens, np.zeros(3), np.array([4, 3, 9]), pages([1], [3], [4]), 128,
+                        [(0, finals[0]), (1, finals[1]), (2, finals[2])], top_k=3)
+
+    def run(path):
+        monkeypatch.setattr(PlainBackend, "start", path)
+        state, _ = step_ops.apply(ctx, None, step_ops.init(6, 64, eos, ctx.num_pages, 16))
+        state = state.replace(grammar_state=np.full((6,), -1, np.int32))
+        calls = []
+        for name in ("start_rows", "new_rows"):
+            real = getattr(chunks, name)
+            monkeypatch.setattr(chunks, name, lambda *a, _r=real, _n=name, **k: (
+                calls.append(_n), _r(*a, **k))[1])
+        state, first = step_ops.apply(ctx, state, op)
+        monkeypatch.undo()
+        return jax.device_get(state), first, calls
+
+    fused, first, calls = run(PlainBackend.start)
+    rowwise, none, calls_rowwise = run(_Rows.start)
+    assert calls == ["start_rows"] and calls_rowwise == ["new_rows"] * 4 and none is None
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(fused),
+                            jax.tree_util.tree_leaves(rowwise)):
+        assert np.array_equal(a, b), jax.tree_util.keystr(path)
+    assert fused.step[5] == 2 and fused.counts[5, 9] == 1 and fused.last_token[5] == 9
+    state = fused.replace(done=fused.done | ~np.isin(np.arange(6), [0, 3, 5, 1]))
+    _, out = decode.decode_step_jit(state, params, config=decode.StepConfig(model, 3, 128))
+    want = np.asarray(out.token)[[0, 3, 5, 1]]
+    assert np.asarray(first.token)[:4].tolist() == want.tolist()
+    assert np.array_equal(np.asarray(first.top_ids)[:4], np.asarray(out.top_ids)[[0, 3, 5, 1]])

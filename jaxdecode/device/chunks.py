@@ -15,7 +15,8 @@ bitwise), so the bits of a page depend only on the tokens up to it and the progr
 After a prompt's last chunk, `new_rows` builds the rows that start decoding from its logits --
 the request, and the other samples of its prompt, which share its prompt pages -- each with
 its own settings, key, page table and grammar state; `slots.insert` scatters them into their
-slots. `copy_pages` gives each sample its own copy of the prompt's partial last page (copy on
+slots. A plain engine does both for every prompt of a chunk call at once, and selects their
+first tokens (`start_rows`). `copy_pages` gives each sample its own copy of the prompt's partial last page (copy on
 write: that page receives output tokens). `write_pages` restores a saved row's K/V into pages.
 """
 
@@ -30,9 +31,9 @@ import jax.numpy as jnp
 
 from jaxdecode.device import cache_ops
 from jaxdecode.device import research as research_lib
-from jaxdecode.device.decode import kv_len_keyword, last_logits
+from jaxdecode.device.decode import first_tokens, kv_len_keyword, last_logits
 from jaxdecode.device.speculative.state import SpecState
-from jaxdecode.device.state import RowParams, StepState
+from jaxdecode.device.state import RowParams, StepOutput, StepState
 from jaxdecode.model_api import DecoderModel, PagedKVCache
 
 Array = jax.Array
@@ -41,11 +42,14 @@ Array = jax.Array
 @dataclasses.dataclass(frozen=True)
 class ChunkConfig:
     """Static part of a chunk: the model (and a speculative engine's draft, whose pool is
-    written too) and the attention bucket covering start + T."""
+    written too), the attention bucket covering start + T, and the rows of the logits it
+    returns (0: the call's own; more: zero rows after them, so that what reads them has one
+    shape whatever the call's rows)."""
 
     model: DecoderModel
     kv_len: int
     draft: Optional[DecoderModel] = None
+    logit_rows: int = 0
 
 
 def _write(model: DecoderModel, params: Any, pool: PagedKVCache, tokens: Array, start: Array,
@@ -62,7 +66,15 @@ def prefill_chunk(state: Any, params: Any, draft_params: Any, tokens: Array, sta
                   length: Array, table: Array, *, config: ChunkConfig) -> tuple[Any, Array]:
     """One chunk of each of B rows (tokens int32[B, T], start / length int32[B], table
     int32[B, P]) into the pool (module docstring). Returns the state and the logits f32[B, V]
-    after each chunk's last real token."""
+    after each chunk's last real token (f32[config.logit_rows, V], zero rows after them)."""
+    state, logits = _prefill_chunk(state, params, draft_params, tokens, start, length, table,
+                                   config)
+    extra = max(0, config.logit_rows - logits.shape[0])
+    return state, jnp.pad(logits, ((0, extra), (0, 0)))
+
+
+def _prefill_chunk(state: Any, params: Any, draft_params: Any, tokens: Array, start: Array,
+                   length: Array, table: Array, config: ChunkConfig) -> tuple[Any, Array]:
     if isinstance(state, SpecState):
         tcache, logits = _write(config.model, params, state.tcache, tokens, start, length, table,
                                 config.kv_len)
@@ -142,6 +154,44 @@ def new_rows(config: RowsConfig, logits: Array, prompt: Array, length: Array, ro
             rs = rs.replace(prompt_length=resume["prompt_length"])
         state = state.replace(research=rs)
     return state
+
+
+@dataclasses.dataclass(frozen=True)
+class StartConfig:
+    """Static part of `start_rows`: positions per row and the top log-probabilities of the
+    first tokens."""
+
+    max_len: int
+    top_logprobs: int = 0
+
+
+@cache_ops.shared_tables
+def start_rows(state: StepState, logits: Array, which: Array, seen: Array, lengths: Array,
+               rows: RowParams, tables: Array, slots: Array,
+               grammar_state: Optional[Array] = None, resume: Optional[dict] = None, *,
+               config: StartConfig) -> tuple[StepState, StepOutput]:
+    """Every row that starts decoding after a chunk call, in one call (a plain state): row i
+    from row which[i] of that call's logits f32[rows, V], with the prompt's token set
+    seen bool[n, V], its length, settings, page table int32[n, P], grammar state and `resume`
+    (step, counts, last_token: a request rebuilt after a failed step), scattered into slot
+    slots[i] (past the last row: a padding row, dropped). Returns the state and each row's
+    first token, selected as `decode.first_tokens` selects it from the inserted row."""
+    n, vocab = seen.shape
+    resume = resume or {}
+    pad = slots >= state.done.shape[0]
+    new = StepState(
+        cache=PagedKVCache(k=None, v=None, page_table=tables, lengths=lengths,
+                           max_len=config.max_len),
+        logits=logits[which], last_token=resume.get("last_token", jnp.full((n,), -1, jnp.int32)),
+        step=resume.get("step", jnp.zeros((n,), jnp.int32)),
+        counts=resume.get("counts", jnp.zeros((n, vocab), jnp.int32)), seen=seen,
+        done=jnp.zeros((n,), bool), paused=jnp.zeros((n,), bool),
+        finish=jnp.zeros((n,), jnp.int32), rows=rows)
+    if grammar_state is not None:
+        new = new.replace(grammar_state=grammar_state)
+    state = cache_ops.scatter_rows(state, new, slots)
+    inserted = cache_ops.take_rows(state, jnp.where(pad, slots[0], slots))
+    return state, first_tokens(inserted, config.top_logprobs)
 
 
 def _pools(state: Any) -> list[str]:

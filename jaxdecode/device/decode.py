@@ -232,17 +232,15 @@ def select(state: StepState, bound: Any = None) -> tuple[Array, Array, Optional[
     return logprobs, token, grammar_next, finish_code(state, logprobs, token, grammar_next)
 
 
-@functools.partial(jax.jit, static_argnames=("top_logprobs",))
-def first_tokens(state: StepState, rows: Array, *, top_logprobs: int = 0) -> StepOutput:
-    """y_1 of the rows `rows` (int32[R], R >= numerics.MIN_ROWS; repeats allowed) of a state
-    whose prefill just ended, selected exactly as their first `decode_step` will select it
-    (`select` on the same row state), without running the model: the engine streams a
-    prompt's first token as soon as its prefill ends, before the step that writes it
-    (docs/serving.md "First token from the prefill"). The state is read, not changed."""
-    sub = cache_ops.take_rows(state, rows)
-    _, token, _, finish = select(sub)
-    logprob, top_ids, top_lp = _raw_logprobs(sub.logits, token, top_logprobs)
-    return StepOutput(token=jnp.where(sub.live, token, -1), finish=finish, logprob=logprob,
+def first_tokens(rows: StepState, top_logprobs: int = 0) -> StepOutput:
+    """y_1 of rows whose prefill just ended (a state of R >= numerics.MIN_ROWS rows), selected
+    exactly as their first `decode_step` will select it (`select` on the same row state),
+    without running the model: the engine streams a prompt's first token as soon as its
+    prefill ends, before the step that writes it (docs/serving.md "First token from the
+    prefill"; `chunks.start_rows` runs it)."""
+    _, token, _, finish = select(rows)
+    logprob, top_ids, top_lp = _raw_logprobs(rows.logits, token, top_logprobs)
+    return StepOutput(token=jnp.where(rows.live, token, -1), finish=finish, logprob=logprob,
                       top_ids=top_ids, top_logprobs=top_lp)
 
 

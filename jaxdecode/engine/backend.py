@@ -9,15 +9,14 @@ through one per-token path.
     chunk(state, tokens, start, length, tables, kv_len)
                                    one prefill chunk of each of n rows into its pages
                                    (rows padded to shapes.row_bucket) -> logits
-    new_rows(logits, prompt, length, rows, tables, ...)
-                                   the rows that start decoding after a prompt
-    insert(state, rows, slots)     scatter new rows into slots
-    copy_pages(state, src, dst)    copy on write of a shared partial page
+    start(state, logits, finals, top_k)
+                                   the rows that start decoding after the prompts whose last
+                                   chunk that call ran (`NewRows`), with their copies on
+                                   write -> (state, their first tokens, selected as their
+                                   first step will select them; None: the backend does not
+                                   stream them early)
+    insert(state, rows, slots)     scatter new rows into slots (a restored row)
     set_flags(state, release, paused)
-    first_tokens(state, slots, top_k)
-                                   the first token of rows whose prefill just ended, selected
-                                   as their first step will select it (None: the backend
-                                   does not stream it early)
     step(state, kv_len, top_k, steps, rows)
                                    one step over every row (or over `rows` only, when the
                                    backend `compacts`) -> (state, device output); the plain
@@ -52,6 +51,24 @@ from jaxdecode.shapes import row_bucket
 
 
 @dataclasses.dataclass
+class NewRows:
+    """What the last chunk of a prompt sets up: the prompt (int32[T], padded) and its length,
+    and per row that starts decoding from it (the request and the samples sharing its
+    prompt pages): its slot, page table, settings, grammar state (when the engine has
+    constraints) and `resume` arrays (step, counts, last token, prompt length) for a request
+    rebuilt after a failed step; `copies` (src, dst) pages copied first (copy on write)."""
+
+    prompt: np.ndarray
+    prompt_length: int
+    slots: np.ndarray
+    tables: np.ndarray
+    rows: RowParams
+    grammar_state: Optional[np.ndarray] = None
+    resume: Optional[tuple] = None
+    copies: tuple = (np.zeros((0,), np.int32), np.zeros((0,), np.int32))
+
+
+@dataclasses.dataclass
 class StepResult:
     """One step's host output, B rows, K positions, N top logprobs (0 when not asked):
     tokens int32[B, K] in order (-1 past `counts`); counts int32[B] tokens emitted (0 for an
@@ -72,13 +89,10 @@ class SlotBackend(Protocol):
     def empty_state(self) -> Any: ...
     def chunk(self, state: Any, tokens: np.ndarray, start: np.ndarray, length: np.ndarray,
               tables: np.ndarray, kv_len: int) -> tuple[Any, Any]: ...
-    def new_rows(self, logits: Any, prompt: np.ndarray, length: int, rows: RowParams,
-             tables: np.ndarray, grammar_state: Optional[np.ndarray] = None,
-             resume: Optional[dict] = None) -> Any: ...
+    def start(self, state: Any, logits: Any, finals: Sequence[tuple[int, NewRows]],
+              top_k: int = 0) -> tuple[Any, Any]: ...
     def insert(self, state: Any, rows: Any, targets: np.ndarray) -> Any: ...
-    def copy_pages(self, state: Any, src: np.ndarray, dst: np.ndarray) -> Any: ...
     def set_flags(self, state: Any, release: np.ndarray, paused: np.ndarray) -> Any: ...
-    def first_tokens(self, state: Any, slots: np.ndarray, top_k: int) -> Any: ...
     def step(self, state: Any, kv_len: int, top_k: int, steps: int = 1,
              rows: Optional[np.ndarray] = None) -> tuple[Any, Any]: ...
     def fetch(self, out: Any, top_k: int) -> StepResult: ...
@@ -136,35 +150,52 @@ class _Rows:
         """Chunks of n rows (tokens int32[n, T], start / length int32[n], tables int32[n, P])
         in one call of `shapes.row_bucket(n)` rows; the padding rows (length 0, the null page)
         write nothing and the model skips their weight products. Returns the state and the
-        logits f32[rows, V] (row i: chunk i)."""
+        logits f32[row_bucket(self.rows), V] (row i: chunk i; one shape for `start`)."""
         pad = row_bucket(len(tokens)) - len(tokens)
         rows = lambda x: np.concatenate(  # noqa: E731
             [np.asarray(x, np.int32), np.zeros((pad,) + np.shape(x)[1:], np.int32)])
-        config = chunks.ChunkConfig(self.model, kv_len, self.draft)
+        config = chunks.ChunkConfig(self.model, kv_len, self.draft, row_bucket(self.rows))
         return chunks.prefill_chunk(state, self.params, self.draft_params, rows(tokens),
                                     rows(start), rows(length), rows(tables), config=config)
 
-    def new_rows(self, logits: Any, prompt: np.ndarray, length: int, rows: RowParams,
-             tables: np.ndarray, grammar_state: Optional[np.ndarray] = None,
-             resume: Optional[dict] = None) -> Any:
+    def start(self, state: Any, logits: Any, finals: Sequence[tuple[int, NewRows]],
+              top_k: int = 0) -> tuple[Any, Any]:
+        """After a chunk call (its logits f32[rows, V]), the rows of each final (chunk row,
+        `NewRows`): its copies on write, then each row built from the prompt's logits with its
+        own settings and page table, and inserted into its slot -- three calls a row. No first
+        tokens: this backend's first step selects them."""
+        for row, final in finals:
+            state = _copies(state, final)
+            one_logits = chunks.logits_row(logits, np.int32(row))
+            for i, slot in enumerate(final.slots):
+                new = self._new_row(one_logits, final, i)
+                state = self.insert(state, new, np.array([slot], np.int32))
+        return state, None
+
+    def _new_row(self, logits: Any, final: NewRows, i: int) -> Any:
+        """Row i of a final, one row (chunks.new_rows) from its prompt's logits f32[1, V]."""
+        one = lambda x: x[i:i + 1]  # noqa: E731
+        resume = None
+        if final.resume is not None:
+            resume = dict(zip(("step", "counts", "last_token", "prompt_length"),
+                              map(one, final.resume)))
+            if self.speculative:  # a SpecState keeps its history
+                del resume["last_token"]
+        grammar = None if final.grammar_state is None else one(final.grammar_state)
         config = chunks.RowsConfig(self.speculative, self.max_len, self.slot_config.research,
-                                   grammar_state is not None, self.draft is not None)
-        return chunks.new_rows(config, logits, prompt[None], np.array([length], np.int32),
-                               rows, tables, grammar_state, resume, **self._research())
+                                   grammar is not None, self.draft is not None)
+        return chunks.new_rows(config, logits, final.prompt[None],
+                               np.array([final.prompt_length], np.int32),
+                               decode.one_row(final.rows, i), one(final.tables), grammar, resume,
+                               **self._research())
 
     def insert(self, state: Any, rows: Any, targets: np.ndarray) -> Any:
         return slots.insert(state, rows, targets)
-
-    def copy_pages(self, state: Any, src: np.ndarray, dst: np.ndarray) -> Any:
-        return chunks.copy_pages(state, src, dst)
 
     def set_flags(self, state: Any, release: np.ndarray, paused: np.ndarray) -> Any:
         return slots.set_flags(state, release, paused)
 
     def observe(self, r: Any, result: StepResult, slot: int) -> None:
-        return None
-
-    def first_tokens(self, state: Any, slots: np.ndarray, top_k: int) -> Any:
         return None
 
     def warmup(self, state: Any, chunk_shapes: Sequence[tuple], prompt_widths: Sequence[int],
@@ -175,18 +206,12 @@ class _Rows:
         top-k, over every row and over each of `row_counts` rows (tables point at the null
         page; the inserted row is dropped)."""
         table = np.zeros((-(-self.max_len // self.pages.page_size),), np.int32)
-        first = None
+        logits = None
         for n, t, kv in chunk_shapes:
             one = np.ones((n,), np.int32)
             state, logits = self.chunk(state, np.zeros((n, t), np.int32), np.zeros_like(one), one,
                                        np.zeros((n,) + table.shape, np.int32), kv)
-            first = chunks.logits_row(logits, np.int32(0))
-        params = slots.empty_rows(1, self.model.config.vocab_size, self.eos_token_ids)
-        for width in prompt_widths:
-            grammar = None if state.grammar_state is None else np.full((1,), -1, np.int32)
-            new = self.new_rows(first, np.zeros((width,), np.int32), 1, params, table[None],
-                            grammar)
-            state = self.insert(state, new, np.full((1,), self.rows, np.int32))
+        state = self._warm_start(state, logits, table, prompt_widths, top_ks)
         flags = np.zeros((self.rows,), bool)
         state = self.set_flags(state, flags, flags)
         subsets = [None] + [np.arange(n, dtype=np.int32) for n in row_counts if self.compacts]
@@ -194,10 +219,27 @@ class _Rows:
             for top_k in top_ks:
                 for rows in subsets:
                     state, out = self.step(state, kv, top_k, rows=rows)
-        for n in sorted({first_rows(n) for n in range(1, self.rows + 1)}):
-            for top_k in top_ks:
-                self.first_tokens(state, np.zeros((n,), np.int32), top_k)
         return state
+
+    def _warm_start(self, state: Any, logits: Any, table: np.ndarray,
+                    prompt_widths: Sequence[int], top_ks: Sequence[int]) -> Any:
+        """`start`'s programs: a new row for each prompt width (dropped)."""
+        for width in prompt_widths:
+            state, _ = self.start(state, logits, [(0, self._dropped(state, table, 1, width))])
+        return state
+
+    def _dropped(self, state: Any, table: np.ndarray, n: int, width: int) -> NewRows:
+        """A final of n default rows that `start` drops (slots past the last row)."""
+        grammar = None if state.grammar_state is None else np.full((n,), -1, np.int32)
+        return NewRows(np.zeros((width,), np.int32), 1, np.full((n,), self.rows, np.int32),
+                       np.broadcast_to(table, (n,) + table.shape),
+                       slots.empty_rows(n, self.model.config.vocab_size, self.eos_token_ids),
+                       grammar)
+
+
+def _copies(state: Any, final: NewRows) -> Any:
+    src, dst = final.copies
+    return chunks.copy_pages(state, src, dst) if src.size else state
 
 
 class PlainBackend(_Rows):
@@ -211,15 +253,64 @@ class PlainBackend(_Rows):
         super().__init__(*args, **kwargs)
         self.compacts = self.research is None and self.mesh is None
 
-    def first_tokens(self, state: Any, slots: np.ndarray, top_k: int) -> Any:
-        """`decode.first_tokens` of rows `slots` (n of them) in a call of
-        `first_rows(n)` rows (the first slot repeated pads it); output row i is slots[i]. None with research options (a processor may couple
-        rows, and their outputs come with the step) or a mesh (rows on other devices)."""
+    def start(self, state: Any, logits: Any, finals: Sequence[tuple[int, NewRows]],
+              top_k: int = 0) -> tuple[Any, Any]:
+        """Every final's rows in one call (`chunks.start_rows`, `first_rows(n)` rows, padding
+        rows dropped) after the copies, with their first tokens (output row i: the i-th new
+        row, finals in order). Row by row, with no first tokens, with research options (a
+        processor may couple rows, and their outputs come with the step) or a mesh (rows on
+        other devices)."""
+        if not self.compacts or not finals:
+            return super().start(state, logits, finals, top_k)
+        for _, final in finals:
+            state = _copies(state, final)
+        return chunks.start_rows(state, logits, *self._start_arrays(finals),
+                                 config=chunks.StartConfig(self.max_len, top_k))
+
+    def _start_arrays(self, finals: Sequence[tuple[int, NewRows]]) -> tuple:
+        """`chunks.start_rows`'s host inputs, the rows of every final stacked and padded."""
+        vocab = self.model.config.vocab_size
+        n = sum(len(f.slots) for _, f in finals)
+        size = first_rows(n)
+        which = np.zeros((size,), np.int32)
+        seen = np.zeros((size, vocab), bool)
+        lengths = np.zeros((size,), np.int32)
+        tables = np.zeros((size, finals[0][1].tables.shape[1]), np.int32)
+        targets = np.full((size,), self.rows, np.int32)
+        params = [f.rows for _, f in finals] + [slots.empty_rows(size - n, vocab,
+                                                                 self.eos_token_ids)]
+        rows = jax.tree.map(lambda *xs: np.concatenate(xs), *params)
+        grammar = (None if finals[0][1].grammar_state is None
+                   else np.full((size,), -1, np.int32))
+        resume = None
+        if any(f.resume is not None for _, f in finals):
+            resume = {"step": np.zeros((size,), np.int32),
+                      "counts": np.zeros((size, vocab), np.int32),
+                      "last_token": np.full((size,), -1, np.int32)}
+        i = 0
+        for row, f in finals:
+            j = i + len(f.slots)
+            which[i:j], lengths[i:j], tables[i:j], targets[i:j] = (
+                row, f.prompt_length, f.tables, f.slots)
+            seen[i:j, f.prompt[:f.prompt_length]] = True
+            if grammar is not None:
+                grammar[i:j] = f.grammar_state
+            if f.resume is not None:  # the first rows of the group (only r selected any)
+                for name, value in zip(("step", "counts", "last_token"), f.resume):
+                    resume[name][i:i + len(value)] = value
+            i = j
+        return which, seen, lengths, rows, tables, targets, grammar, resume
+
+    def _warm_start(self, state: Any, logits: Any, table: np.ndarray,
+                    prompt_widths: Sequence[int], top_ks: Sequence[int]) -> Any:
+        """`start`'s programs: one call for each row count and top-k (rows dropped)."""
         if not self.compacts:
-            return None
-        rows = np.full((first_rows(len(slots)),), slots[0], np.int32)
-        rows[:len(slots)] = slots
-        return decode.first_tokens(state, rows, top_logprobs=top_k)
+            return super()._warm_start(state, logits, table, prompt_widths, top_ks)
+        for n in sorted({first_rows(n) for n in range(1, self.rows + 1)}):
+            for top_k in top_ks:
+                state, _ = self.start(state, logits, [(0, self._dropped(state, table, n, 1))],
+                                      top_k)
+        return state
 
     def step(self, state: Any, kv_len: int, top_k: int, steps: int = 1,
              rows: Optional[np.ndarray] = None) -> tuple[Any, Any]:
@@ -258,7 +349,7 @@ class PlainBackend(_Rows):
 
 
 def first_rows(n: int) -> int:
-    """The rows of a `first_tokens` call for n new rows: a power of two, at least
+    """The rows of a `start` call for n new rows: a power of two, at least
     numerics.MIN_ROWS (warm-up compiles each)."""
     return max(row_bucket(n), numerics.MIN_ROWS)
 

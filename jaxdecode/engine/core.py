@@ -223,49 +223,46 @@ class EngineCore:
     def _prefill(self) -> list[Dispatched]:
         """This iteration's prefill chunks (scheduler.chunks), one CHUNK op per batch; after a
         prompt's last chunk its rows start decoding. Returns, per batch, the first tokens of
-        those rows (`backend.first_tokens`), which the loop streams once the step in flight is
-        processed, each batch as soon as its own call ends, before the step that selects them
-        again ends; none when the backend does not stream them early."""
+        those rows (selected by the op when the backend does so), which the loop streams once
+        the step in flight is processed, each batch as soon as its own call ends, before the
+        step that selects them again ends."""
         first = []
         for batch in self.scheduler.chunks():
             self._admitting = [c.request for c in batch]
-            started = self._run_chunks(batch)
-            if started:
-                top_k = self.logprobs_k if any(r.logprobs is not None for r in started) else 0
-                out = self.backend.first_tokens(
-                    self.state, np.array([r.slot for r in started], np.int32), top_k)
-                if out is not None:
-                    first.append(Dispatched(out=out, owners=started, top_k=top_k))
+            started, top_k, out = self._run_chunks(batch)
+            if started and out is not None:
+                first.append(Dispatched(out=out, owners=started, top_k=top_k))
         self._admitting = []
         return first
 
-    def _run_chunks(self, batch: list, activate: bool = True) -> list:
+    def _run_chunks(self, batch: list, activate: bool = True) -> tuple[list, int, Any]:
         """Chunks of one program shape in one call; after a prompt's last chunk its request
         (and its sharers) decode -- their lifecycle moves on unless this is a probe of
-        `recover` (`activate` False). Returns the requests that start decoding."""
+        `recover` (`activate` False). Returns the requests that start decoding, in the order
+        of their rows, the top log-probabilities of their first tokens, and the op's output
+        (those first tokens, or None)."""
         tokens = np.zeros((len(batch), batch[0].t), np.int32)
         for i, c in enumerate(batch):
             tokens[i, :c.length] = self.scheduler.prefill_inputs(c.request)[
                 c.start:c.start + c.length]
         finals = [(i, self._new_rows(c.request, c.request.prompt_ids + c.request.token_ids))
                   for i, c in enumerate(batch) if c.final]
-        self.device(step_ops.chunk(
+        started = [x for i, _ in finals for x in [batch[i].request] + (batch[i].request.sharers
+                                                                        or [])]
+        top_k = self.logprobs_k if any(r.logprobs is not None for r in started) else 0
+        out = self.device(step_ops.chunk(
             tokens, np.array([c.start for c in batch], np.int32),
             np.array([c.length for c in batch], np.int32),
             np.stack([self.scheduler.table(c.request) for c in batch]), batch[0].kv_len,
-            finals))
+            finals, top_k))
         for c in batch:
             self.scheduler.register(c)
-        started = []
-        for i, _ in finals:
-            r = batch[i].request
-            for x in [r] + (r.sharers or []):
-                x.is_prefilling = False
-                started.append(x)
-                if activate and not x.lifecycle.try_transition(RequestState.DECODING):
-                    x.lifecycle.record("engine.resumed", selected=x.selected,
-                                       processor_states_reset=self.stateful_processors)
-        return started
+        for x in started:
+            x.is_prefilling = False
+            if activate and not x.lifecycle.try_transition(RequestState.DECODING):
+                x.lifecycle.record("engine.resumed", selected=x.selected,
+                                   processor_states_reset=self.stateful_processors)
+        return started, top_k, out
 
     def _new_rows(self, r: Request, inputs: list) -> step_ops.NewRows:
         """The rows that start decoding after r's prompt: r and the samples sharing its prompt

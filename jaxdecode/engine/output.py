@@ -81,8 +81,8 @@ class OutputProcessor:
         self.sweep(list(self.scheduler.slots))
 
     def process_first(self, first: Dispatched) -> None:
-        """The first tokens of the rows whose prefill just ended (`backend.first_tokens`; owner
-        i is row i), streamed before the step that selects them again: each goes through
+        """The first tokens of the rows whose prefill just ended (`backend.start`; owner i is
+        row i), streamed before the step that selects them again: each goes through
         `on_token` now, and that step's copy is checked and skipped (`_row`): the token is
         selected now and written when that step is processed (O2). A request that ended, was
         paused by its user or left its slot meanwhile waits for its step."""

@@ -10,7 +10,8 @@ own state, so leader and followers cannot drift. One op = one device action:
     INIT     empty slot state and page pool      CHUNK    one prefill chunk of each of n rows
                                                           into their pages; a prompt's last one
                                                           also sets up the rows that start
-                                                          decoding after it
+                                                          decoding after it (output: their
+                                                          first tokens, or None)
     RESTORE  a saved row into pages and a slot   GRAMMAR  new grammar tables / rebased states
     FLAGS    release and pause masks             STEP     one engine step (kv_len, top_logprobs,
                                                           decode steps in the call)
@@ -41,11 +42,12 @@ from jaxdecode.device import chunks, decode, numerics
 from jaxdecode.device.beam import beam_search
 from jaxdecode.device.constraints.tables import GrammarTables
 from jaxdecode.device.state import RowParams, StepState
-from jaxdecode.engine.backend import Pages, PlainBackend, SlotBackend, SpeculativeBackend
+from jaxdecode.engine.backend import (NewRows, Pages, PlainBackend, SlotBackend,
+                                      SpeculativeBackend)
 from jaxdecode.engine.scheduler import chunk_plan, chunk_rows, compact_counts, kv_bucket
 from jaxdecode.model_api import DecoderModel, PagedKVCache
 
-VERSION = 4
+VERSION = 5
 INIT, CHUNK, RESTORE, GRAMMAR, FLAGS, STEP, RESET, WARMUP, STOP, BEAM = range(1, 11)
 NAMES = {INIT: "init", CHUNK: "chunk", RESTORE: "restore", GRAMMAR: "grammar", FLAGS: "flags",
          STEP: "step", RESET: "reset", WARMUP: "warmup", STOP: "stop", BEAM: "beam"}
@@ -97,36 +99,19 @@ def init(max_slots: int, max_len: int, eos_token_ids: Sequence[int], num_pages: 
                          "num_pages": _i32(num_pages), "page_size": _i32(page_size)})
 
 
-@dataclasses.dataclass
-class NewRows:
-    """What the last chunk of a prompt sets up: the prompt (int32[T], padded) and its length,
-    and per row that starts decoding from it (the request and the samples sharing its
-    prompt pages): its slot, page table, settings, grammar state (when the engine has
-    constraints) and `resume` arrays (step, counts, last token, prompt length) for a request
-    rebuilt after a failed step; `copies` (src, dst) pages copied first (copy on write)."""
-
-    prompt: np.ndarray
-    prompt_length: int
-    slots: np.ndarray
-    tables: np.ndarray
-    rows: RowParams
-    grammar_state: Optional[np.ndarray] = None
-    resume: Optional[tuple] = None
-    copies: tuple = (np.zeros((0,), np.int32), np.zeros((0,), np.int32))
-
-
 _RESUME = ("resume.step", "resume.counts", "resume.last_token", "resume.prompt_length")
 
 
 def chunk(tokens: np.ndarray, start: np.ndarray, length: np.ndarray, tables: np.ndarray,
-          kv_len: int, finals: Sequence[tuple[int, NewRows]] = ()) -> StepOp:
+          kv_len: int, finals: Sequence[tuple[int, NewRows]] = (), top_k: int = 0) -> StepOp:
     """Prefill tokens int32[n, T] (the first `length[i]` of row i real) at positions
     start[i].. of the rows whose page tables are `tables` int32[n, P], attending to `kv_len`
     positions; `finals` (chunk row, `NewRows`): the rows that start decoding after the prompt
-    whose last chunk is that row. Each final's arrays are named `final<j>.<name>`."""
+    whose last chunk is that row, whose first tokens come with `top_k` top log-probabilities.
+    Each final's arrays are named `final<j>.<name>`."""
     arrays = {"tokens": np.asarray(tokens, np.int32), "start": np.asarray(start, np.int32),
               "length": np.asarray(length, np.int32), "tables": np.asarray(tables, np.int32),
-              "kv_len": _i32(kv_len)}
+              "kv_len": _i32(kv_len), "top_k": _i32(top_k)}
     for j, (row, final) in enumerate(finals):
         own = {"row": _i32(row), "prompt": final.prompt,
                "prompt_length": _i32(final.prompt_length),
@@ -286,8 +271,9 @@ class Context:
 
 def apply(ctx: Context, state: Optional[Any], op: StepOp) -> tuple[Optional[Any], Any]:
     """Apply `op` to `state`: returns the new state and the op's output (STEP: the backend's
-    device output; BEAM: the GenerateOutput; WARMUP: the number of compilations; otherwise
-    None). The state is donated."""
+    device output; CHUNK: the first tokens of the rows that start decoding, when the backend
+    selects them early; BEAM: the GenerateOutput; WARMUP: the number of compilations;
+    otherwise None). The state is donated."""
     a, backend = op.arrays, ctx.backend
     if op.code == INIT:
         _check_config(ctx, op)
@@ -295,11 +281,9 @@ def apply(ctx: Context, state: Optional[Any], op: StepOp) -> tuple[Optional[Any]
     if op.code == CHUNK:
         state, logits = backend.chunk(state, a["tokens"], a["start"], a["length"],
                                       a["tables"], op.scalar("kv_len"))
-        for j in itertools.takewhile(lambda j: f"final{j}.row" in a, itertools.count()):
-            final = {k[len(f"final{j}."):]: v for k, v in a.items()
-                     if k.startswith(f"final{j}.")}
-            state = _new_rows(ctx, state, chunks.logits_row(logits, final["row"]), final)
-        return state, None
+        finals = [_final(a, f"final{j}.") for j in
+                  itertools.takewhile(lambda j: f"final{j}.row" in a, itertools.count())]
+        return backend.start(state, logits, finals, op.scalar("top_k"))
     if op.code == RESTORE:
         return _restore(ctx, state, a), None
     if op.code == GRAMMAR:
@@ -325,25 +309,14 @@ def apply(ctx: Context, state: Optional[Any], op: StepOp) -> tuple[Optional[Any]
     raise ValueError(f"op: {op.name} is not applied to a state (the follower loop ends on it)")
 
 
-def _new_rows(ctx: Context, state: Any, logits: Any, a: Mapping[str, np.ndarray]) -> Any:
-    """The last chunk's rows (`NewRows`): the copies, then each row built from the prompt's
-    logits with its own settings and page table, scattered into its slot."""
-    backend = ctx.backend
-    if a["copy_src"].size:
-        state = backend.copy_pages(state, a["copy_src"], a["copy_dst"])
-    rows = RowParams(**{k[5:]: v for k, v in a.items() if k.startswith("rows.")})
-    for i, slot in enumerate(a["slots"]):
-        one = lambda x: x[i:i + 1]  # noqa: E731
-        resume = ({"step": one(a[_RESUME[0]]), "counts": one(a[_RESUME[1]]),
-                   "last_token": one(a[_RESUME[2]]), "prompt_length": one(a[_RESUME[3]])}
-                  if _RESUME[0] in a else None)
-        if resume is not None and backend.speculative:  # a SpecState keeps its history
-            del resume["last_token"]
-        new = backend.new_rows(logits, a["prompt"], int(a["prompt_length"]),
-                           decode.one_row(rows, i), one(a["tables"]),
-                           one(a["grammar_state"]) if "grammar_state" in a else None, resume)
-        state = backend.insert(state, new, np.array([slot], np.int32))
-    return state
+def _final(a: Mapping[str, np.ndarray], prefix: str) -> tuple[int, NewRows]:
+    """A CHUNK op's final named `prefix`: its chunk row and `NewRows`."""
+    f = {k[len(prefix):]: v for k, v in a.items() if k.startswith(prefix)}
+    rows = RowParams(**{k[5:]: v for k, v in f.items() if k.startswith("rows.")})
+    resume = tuple(f[k] for k in _RESUME) if _RESUME[0] in f else None
+    return int(f["row"]), NewRows(f["prompt"], int(f["prompt_length"]), f["slots"], f["tables"],
+                                  rows, f.get("grammar_state"), resume,
+                                  (f["copy_src"], f["copy_dst"]))
 
 
 def _restore(ctx: Context, state: Any, a: Mapping[str, np.ndarray]) -> Any:
