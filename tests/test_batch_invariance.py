@@ -185,6 +185,27 @@ def test_invariance_engine_logits_bitwise_at_every_max_slots(family, name):
                 f"at max_slots={max_slots}: max |diff| {np.max(np.abs(a - b)):.3g}")
 
 
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_invariance_engine_logits_bitwise_across_attention_buckets(kv_heads):
+    """A long neighbour moves the engine's attention bucket (kv_len 128 -> 512) and changes no
+    bit of the probe's logits. The tiny checkpoints' max_len (64) caps the bucket, and the
+    demo model reads its sliding window whatever the bucket, so this Llama without a window
+    (with and without grouped heads) is the test of the bucket rule's invariance."""
+    from models import Llama, LlamaConfig
+
+    model = Llama(LlamaConfig(vocab_size=256, num_layers=2, num_heads=4, num_kv_heads=kv_heads,
+                              head_dim=16, max_len=512, hidden_size=64, intermediate_size=96,
+                              eos_token_ids=(0,)))
+    params = model.init_params(jax.random.key(kv_heads), scale=0.5)
+    rng = np.random.default_rng(kv_heads)
+    probe = _prompt(rng, 256, 3, 20)
+    neighbours = [_prompt(rng, 256, 300, 320), _prompt(rng, 256)]
+    ref = _engine_logits(model, params, 1, 512, probe, [], 0)
+    got = _engine_logits(model, params, 3, 512, probe, neighbours, 1)
+    for i, (a, b) in enumerate(zip(ref, got)):
+        assert np.array_equal(a, b), f"logits after {'prefill' if i == 0 else f'step {i}'}"
+
+
 @pytest.mark.parametrize("name", FAMILIES)
 def test_invariance_engine_chunk_calls_bitwise_at_every_row_count(family, name):
     """The engine prefills the chunks of one iteration that share a program shape in one call
