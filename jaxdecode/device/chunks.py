@@ -16,8 +16,9 @@ After a prompt's last chunk, `new_rows` builds the rows that start decoding from
 the request, and the other samples of its prompt, which share its prompt pages -- each with
 its own settings, key, page table and grammar state; `slots.insert` scatters them into their
 slots. A plain engine does both for every prompt of a chunk call at once, and selects their
-first tokens (`start_rows`). `copy_pages` gives each sample its own copy of the prompt's partial last page (copy on
-write: that page receives output tokens). `write_pages` restores a saved row's K/V into pages.
+first tokens (`start_rows`). `copy_pages` gives each sample its own copy of the prompt's
+partial last page (copy on write: that page receives output tokens). `write_pages` restores a
+saved row's K/V into pages.
 """
 
 from __future__ import annotations
