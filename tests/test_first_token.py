@@ -108,7 +108,7 @@ def test_first_token_a_step_that_selects_another_fails_the_request_loudly(llama,
     assert after.token_ids == want.token_ids and len(want.token_ids) == 6
 
 
-def test_start_rows_one_call_equals_row_by_row(llama, monkeypatch):
+def test_start_rows_X1_one_call_equals_row_by_row(llama, monkeypatch):
     """A chunk call's new rows -- a request with a sample sharing its prompt pages, a request
     rebuilt after a failed step (resume), a constrained row -- start in one device call
     (`chunks.start_rows`), leaving the state bit for bit as the row-by-row path (three calls a

@@ -112,6 +112,26 @@ def _per_row(x: Array, n: int) -> Array:
     return jnp.broadcast_to(x, (n,) + x.shape[1:])
 
 
+def _row_fields(rows: RowParams, seen: Array, resume: dict) -> dict:
+    """The fields every kind of new row has: settings, the prompt's token set seen bool[n, V],
+    step and penalty counts (`resume`'s, else zero), not done, not paused, running."""
+    n, vocab = seen.shape
+    zeros = jnp.zeros((n,), jnp.int32)
+    return dict(rows=rows, step=resume.get("step", zeros),
+                counts=resume.get("counts", jnp.zeros((n, vocab), jnp.int32)), seen=seen,
+                done=jnp.zeros((n,), bool), paused=jnp.zeros((n,), bool), finish=zeros)
+
+
+def _plain_rows(fields: dict, logits: Array, lengths: Array, tables: Array, max_len: int,
+                resume: dict) -> StepState:
+    """New plain rows: `_row_fields`, logits f32[n, V], the prompt's pages and length."""
+    n = lengths.shape[0]
+    return StepState(**fields, cache=PagedKVCache(k=None, v=None, page_table=tables,
+                                                  lengths=lengths, max_len=max_len),
+                     logits=logits,
+                     last_token=resume.get("last_token", jnp.full((n,), -1, jnp.int32)))
+
+
 @functools.partial(jax.jit, static_argnums=(0,))
 def new_rows(config: RowsConfig, logits: Array, prompt: Array, length: Array, rows: RowParams,
              tables: Array, grammar_state: Optional[Array] = None, resume: Optional[dict] = None,
@@ -127,13 +147,10 @@ def new_rows(config: RowsConfig, logits: Array, prompt: Array, length: Array, ro
     seen = jnp.zeros((1, vocab), bool).at[jnp.zeros_like(prompt), prompt].max(real)
     zeros = jnp.zeros((n,), jnp.int32)
     resume = resume or {}
-    step, counts = resume.get("step", zeros), resume.get("counts", jnp.zeros((n, vocab),
-                                                                             jnp.int32))
     lengths = _per_row(length, n)
     pages = lambda lens: PagedKVCache(k=None, v=None, page_table=tables,  # noqa: E731
                                       lengths=lens, max_len=config.max_len)
-    common = dict(rows=rows, step=step, counts=counts, seen=_per_row(seen, n),
-                  done=jnp.zeros((n,), bool), paused=jnp.zeros((n,), bool), finish=zeros)
+    common = _row_fields(rows, _per_row(seen, n), resume)
     if config.speculative:
         hist = jnp.zeros((n, config.max_len), jnp.int32).at[:, :prompt.shape[1]].set(
             jnp.where(real, prompt, 0))
@@ -144,8 +161,8 @@ def new_rows(config: RowsConfig, logits: Array, prompt: Array, length: Array, ro
         if config.draft:
             state = state.replace(dcache=pages(lengths - 1), lag=jnp.zeros((n,), bool))
     else:
-        state = StepState(**common, cache=pages(lengths), logits=_per_row(logits, n),
-                          last_token=resume.get("last_token", jnp.full((n,), -1, jnp.int32)))
+        state = _plain_rows(common, _per_row(logits, n), lengths, tables, config.max_len,
+                            resume)
     if config.grammar:
         state = state.replace(grammar_state=grammar_state)
     if config.research is not None:
@@ -177,17 +194,10 @@ def start_rows(state: StepState, logits: Array, which: Array, seen: Array, lengt
     (step, counts, last_token: a request rebuilt after a failed step), scattered into slot
     slots[i] (past the last row: a padding row, dropped). Returns the state and each row's
     first token, selected as `decode.first_tokens` selects it from the inserted row."""
-    n, vocab = seen.shape
     resume = resume or {}
     pad = slots >= state.done.shape[0]
-    new = StepState(
-        cache=PagedKVCache(k=None, v=None, page_table=tables, lengths=lengths,
-                           max_len=config.max_len),
-        logits=logits[which], last_token=resume.get("last_token", jnp.full((n,), -1, jnp.int32)),
-        step=resume.get("step", jnp.zeros((n,), jnp.int32)),
-        counts=resume.get("counts", jnp.zeros((n, vocab), jnp.int32)), seen=seen,
-        done=jnp.zeros((n,), bool), paused=jnp.zeros((n,), bool),
-        finish=jnp.zeros((n,), jnp.int32), rows=rows)
+    new = _plain_rows(_row_fields(rows, seen, resume), logits[which], lengths, tables,
+                      config.max_len, resume)
     if grammar_state is not None:
         new = new.replace(grammar_state=grammar_state)
     state = cache_ops.scatter_rows(state, new, slots)

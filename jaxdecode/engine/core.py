@@ -230,7 +230,7 @@ class EngineCore:
         for batch in self.scheduler.chunks():
             self._admitting = [c.request for c in batch]
             started, top_k, out = self._run_chunks(batch)
-            if started and out is not None:
+            if out is not None:
                 first.append(Dispatched(out=out, owners=started, top_k=top_k))
         self._admitting = []
         return first
