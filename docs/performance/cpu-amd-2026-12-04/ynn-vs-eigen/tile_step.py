@@ -1,4 +1,6 @@
-import sys, time, functools
+"""Decode-step time of llama-512 at batch 1 and 16 with models.layers.ROW_TILE from the
+environment (default 8, the shipped tile); XLA_FLAGS picks the product library."""
+import functools, os, sys, time
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[4]))
 import numpy as np, jax, jax.numpy as jnp
 from models import hf
@@ -6,7 +8,8 @@ from jaxdecode.config import SamplingParams
 from jaxdecode.device.decode import StepConfig, decode_step_jit, prepare
 from jaxdecode.cli.bench.paged import paged_state
 from jaxdecode.cli.bench.timing import prompts
-import os; from models import layers as L; L.ROW_TILE = int(os.environ.get("ROW_TILE", "8"))
+from models import layers as L
+L.ROW_TILE = int(os.environ.get("ROW_TILE", "8"))
 model, params = hf.load(sys.argv[1] if len(sys.argv) > 1 else "/work/ckpt512")[:2]
 for B in (1, 16):
     ids = prompts(B, 16, model.config.vocab_size, 0)
