@@ -27,7 +27,7 @@ Array = jax.Array
 # Token rows per weight-product tile in the cached forward: a call of B rows of T tokens runs
 # products of exactly max(ROW_TILE, T) rows (the last one zero-padded), one per tile up to the
 # last row with tokens to process (`Tiles`).
-ROW_TILE = 8
+ROW_TILE = 4
 # Keys per attention block: every (row, kv head, block) is one product of fixed shape.
 ATTN_BLOCK = 128
 # Query rows per kv head (T x G, static) up to which attention is elementwise products and
@@ -313,7 +313,7 @@ class CachedDecoder:
         (padding dropped); `kv_len` (static, optional) limits attention to the first kv_len
         cache positions when the caller knows every row is shorter; `last_only` (static)
         returns only the logits after each row's last token, [B, 1, V] (a prompt pass: the
-        output head reads its weights once per 8 rows, as in a decode step, not once per row
+        output head reads its weights once per tile of rows, as in a decode step, not once per row
         of T tokens -- the head is 14% of llama-512's weights); `hook(name, x) -> x` is
         called at each of `model_api.hook_points` (jaxdecode/device/hooks.py). On a GPU or
         TPU a decode step over a `PagedKVCache` runs the Pallas paged-attention kernel

@@ -335,7 +335,7 @@ def _body(config: BeamConfig, params: Any, rows: BeamRows, c: BeamState) -> Beam
     return out
 
 
-@functools.partial(jax.jit, static_argnums=(0,))
+@numerics.jit(static_argnums=(0,))
 def _beam_loop(config: BeamConfig, params: Any, cache: KVCache, logits: Array,
                rows: BeamRows) -> BeamState:
     """The search: B prefilled rows -> the final BeamState. The per-row grammar EOS masks and

@@ -62,7 +62,7 @@ def scatter_rows(state: Any, rows: Any, slots: Array) -> Any:
     return rows_map(put, state, rows)
 
 
-@jax.jit
+@numerics.jit
 def stack_rows(states: Sequence[Any]) -> Any:
     """The rows of several states as one batch, in order."""
     return rows_map(lambda *xs, axis: jnp.concatenate(xs, axis), *states)
@@ -120,7 +120,7 @@ def shared_tables(fn: Callable) -> Callable:
             return (out[0].replace(grammar=None),) + tuple(out[1:])
         return out.replace(grammar=None)
 
-    jitted = jax.jit(inner, donate_argnums=(0,), static_argnames=("config",))
+    jitted = numerics.jit(inner, donate_argnums=(0,), static_argnames=("config",))
 
     @functools.wraps(fn)
     def call(state, *args, **static):

@@ -30,7 +30,7 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 
-from jaxdecode.device import cache_ops
+from jaxdecode.device import cache_ops, numerics
 from jaxdecode.device import research as research_lib
 from jaxdecode.device.decode import first_tokens, kv_len_keyword, last_logits
 from jaxdecode.device.speculative.state import SpecState
@@ -90,7 +90,7 @@ def _prefill_chunk(state: Any, params: Any, draft_params: Any, tokens: Array, st
     return state.replace(cache=cache), logits
 
 
-@jax.jit
+@numerics.jit
 def logits_row(logits: Array, row: Array) -> Array:
     """Row `row` (int32, traced: one program per call size) of a chunk call's logits, f32[1, V]."""
     return jax.lax.dynamic_slice_in_dim(logits, row, 1)
@@ -132,7 +132,7 @@ def _plain_rows(fields: dict, logits: Array, lengths: Array, tables: Array, max_
                      last_token=resume.get("last_token", jnp.full((n,), -1, jnp.int32)))
 
 
-@functools.partial(jax.jit, static_argnums=(0,))
+@numerics.jit(static_argnums=(0,))
 def new_rows(config: RowsConfig, logits: Array, prompt: Array, length: Array, rows: RowParams,
              tables: Array, grammar_state: Optional[Array] = None, resume: Optional[dict] = None,
              research_args: Any = None) -> Any:

@@ -139,7 +139,7 @@ def research_hook(research: Optional[research_lib.ResearchConfig], args: Any, ca
                                     captured, select)}
 
 
-@functools.partial(jax.jit, static_argnums=(0,))
+@numerics.jit(static_argnums=(0,))
 def prefill(config: PrefillConfig, params: Any, tokens: Array, lengths: Array, rows: RowParams,
             research_args: Optional[research_lib.ResearchArgs] = None) -> StepState:
     """Prompt pass: tokens int32[B, T] right-padded (T a bucket), lengths int32[B] >= 1.
@@ -344,7 +344,7 @@ def _loop(config: LoopConfig, params: Any, state: StepState,
     return state, buffers, extra
 
 
-_generate_loop = jax.jit(_loop, static_argnums=(0,))
+_generate_loop = numerics.jit(_loop, static_argnums=(0,))
 
 MAX_STEPS_PER_CALL = 16  # the step axis of `decode_steps_jit` in the engine (one program)
 

@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxdecode.device import numerics
 from jaxdecode.model_api import DecoderModel, hook_points, params_dtype
 
 Array = jax.Array
@@ -155,7 +156,7 @@ class CaptureConfig:
     dtype: Any
 
 
-@functools.partial(jax.jit, static_argnums=(0,))
+@numerics.jit(static_argnums=(0,))
 def _capture(config: CaptureConfig, params, tokens, lengths, args):
     model, points, interventions = config.model, config.points, config.interventions
     b, t = tokens.shape

@@ -11,6 +11,7 @@ blocks) is `models/layers.py`'s; `guarantee` states what a record can promise.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -25,6 +26,18 @@ TESTED_BACKENDS = ("cpu",)
 # Rows of every decoding program: XLA simplifies a batch of one row (its unit dimensions)
 # into another program, whose fused multiply-adds differ; a lone request gets a done row.
 MIN_ROWS = 2
+# Options of every program the decoder compiles: XLA:CPU's Eigen products instead of jaxlib
+# 0.10's default YNNPACK fusions -- about twice as fast for the decoder's small row tiles
+# (docs/performance.md "YNNPACK products"), and batch invariant at 4-row tiles
+# (models/layers.py ROW_TILE; docs/batch_invariance.md).
+COMPILER_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
+
+
+def jit(fun=None, **kwargs):
+    """`jax.jit` with COMPILER_OPTIONS (also as a decorator factory: `@jit(static_argnums=...)`)."""
+    if fun is None:
+        return functools.partial(jit, **kwargs)
+    return jax.jit(fun, compiler_options=COMPILER_OPTIONS, **kwargs)
 
 
 def _shifted(x: Array) -> Array:

@@ -117,7 +117,7 @@ def history_arrays(output_ids: Optional[np.ndarray], batch: int, vocab_size: int
     return counts, counts > 0
 
 
-@jax.jit
+@numerics.jit
 def _process_jit(logits, rows, counts, seen, step):
     return process(logits, rows, counts, seen, step)
 

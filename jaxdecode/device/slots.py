@@ -21,7 +21,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxdecode.config import SamplingParams
-from jaxdecode.device import cache_ops
+from jaxdecode.device import cache_ops, numerics
 from jaxdecode.device import research as research_lib
 from jaxdecode.device.speculative.state import SpecState
 from jaxdecode.device.state import RowParams, StepState
@@ -90,7 +90,7 @@ def _speculative(config: SlotConfig, rows: RowParams, research_args: Any = None)
     return state
 
 
-@functools.partial(jax.jit, static_argnums=(0,))
+@numerics.jit(static_argnums=(0,))
 def _empty(config: SlotConfig, rows: RowParams, research_args: Any = None):
     return (_speculative if config.speculative else _plain)(config, rows, research_args)
 
@@ -105,7 +105,7 @@ def empty_state(config: SlotConfig, rows: RowParams, *, mesh: Optional[Any] = No
     if mesh is None:
         return _empty(config, rows, research_args)
     shardings = state_sharding(mesh, jax.eval_shape(_empty, config, rows, research_args))
-    build = jax.jit(_empty, static_argnums=(0,), out_shardings=shardings)
+    build = numerics.jit(_empty, static_argnums=(0,), out_shardings=shardings)
     return build(config, rows, research_args)
 
 

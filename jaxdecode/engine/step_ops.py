@@ -395,7 +395,7 @@ def _saved_row(ctx: Context, a: Mapping[str, np.ndarray]) -> StepState:
     return row
 
 
-@jax.jit
+@numerics.jit
 def _rebase(old: jax.Array, keep: jax.Array, delta: jax.Array) -> jax.Array:
     return jnp.where(keep, jnp.where(old >= 0, old + delta, old), -1).astype(jnp.int32)
 

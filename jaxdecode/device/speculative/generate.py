@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdecode.config import SamplingParams
-from jaxdecode.device import cache_ops, decode, outputs
+from jaxdecode.device import cache_ops, decode, numerics, outputs
 from jaxdecode.device import research as research_lib
 from jaxdecode.device.decode import bucket
 from jaxdecode.device.speculative.round import spec_round
@@ -24,7 +24,7 @@ from jaxdecode.prompts import token_rows
 Array = jax.Array
 
 
-@functools.partial(jax.jit, static_argnums=(0,))
+@numerics.jit(static_argnums=(0,))
 def _spec_loop(config: RoundConfig, tparams: Any, dparams: Any, init: SpecState,
                max_iters: Array) -> SpecState:
     """The while-loop driver of `spec_round`: rounds until every row is done (or max_iters).
