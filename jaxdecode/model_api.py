@@ -234,6 +234,12 @@ def hidden_state_point(layer: int, num_layers: int) -> str:
     return "embed" if layer == 0 else "final_norm" if layer == num_layers else f"resid.{layer - 1}"
 
 
+# Token rows per weight-product tile of a batch-invariant model (models/layers.py `dense`):
+# jaxdecode.device.numerics picks XLA:CPU's product library by whether a row's bits are the same
+# at every place of a tile of this many rows.
+ROW_TILE = 4
+
+
 def fixed_sum(x: Array, axis: int = -1, keepdims: bool = False) -> Array:
     """Sum along `axis` in a fixed layout: a halving tree of elementwise adds over the axis
     zero-padded to a power of two (element i pairs with i + n/2, then recursively).

@@ -19,15 +19,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdecode.model_api import KVCache, fixed_sum
+from jaxdecode.model_api import ROW_TILE, KVCache, fixed_sum
 from models import paged_attention
 
 Array = jax.Array
 
-# Token rows per weight-product tile in the cached forward: a call of B rows of T tokens runs
-# products of exactly max(ROW_TILE, T) rows (the last one zero-padded), one per tile up to the
-# last row with tokens to process (`Tiles`).
-ROW_TILE = 4
+# ROW_TILE (jaxdecode.model_api): token rows per weight-product tile in the cached forward. A
+# call of B rows of T tokens runs products of exactly max(ROW_TILE, T) rows (the last one
+# zero-padded), one per tile up to the last row with tokens to process (`Tiles`).
+
 # Keys per attention block: every (row, kv head, block) is one product of fixed shape.
 ATTN_BLOCK = 128
 # Query rows per kv head (T x G, static) up to which attention is elementwise products and

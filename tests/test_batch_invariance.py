@@ -378,3 +378,35 @@ def test_invariance_http_alone_equals_n3_choice_0(demo_llm):
         three = c.post("/v1/completions", json=dict(body, n=3)).json()["choices"]
     assert [ch["index"] for ch in three] == [0, 1, 2]
     assert three[0]["text"] == alone
+
+
+# -- the product library (numerics.compiler_options) --------------------------------------------
+
+def test_invariance_products_probe_passes_at_the_row_tile_and_catches_a_place_dependence(monkeypatch):
+    """X1: the decoder's programs use Eigen's products only where `place_invariant` holds at
+    ROW_TILE rows; the probe itself must see a row whose bits move with its place."""
+    from jaxdecode.device import numerics
+    options = numerics.compiler_options()
+    assert numerics.place_invariant(options)        # the library in use is place invariant
+    assert numerics.place_invariant({})             # and so is the fallback (YNNPACK)
+    assert not numerics.place_invariant({"xla_no_such_option_jaxdecode": "1"})
+    plain = jax.lax.dot_general
+    monkeypatch.setattr(jax.lax, "dot_general", lambda a, w, dims: plain(a, w, dims) + (
+        jax.numpy.arange(a.shape[0], dtype=a.dtype)[:, None] * 1e-2))
+    assert not numerics.place_invariant({})
+
+
+def test_products_env_switch_names_the_variable(monkeypatch):
+    from jaxdecode.device import numerics
+    numerics.compiler_options.cache_clear()
+    try:
+        monkeypatch.setenv(numerics.PRODUCTS_ENV, "ynnpack")
+        assert numerics.compiler_options() == {}
+        numerics.compiler_options.cache_clear()
+        monkeypatch.setenv(numerics.PRODUCTS_ENV, "eigen")
+        with pytest.raises(ValueError, match=numerics.PRODUCTS_ENV):
+            numerics.compiler_options()
+    finally:
+        numerics.compiler_options.cache_clear()
+        monkeypatch.delenv(numerics.PRODUCTS_ENV)
+        numerics.compiler_options()
