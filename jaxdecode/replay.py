@@ -4,8 +4,9 @@ A `GenerationRecord` is a versioned JSON document (`"format": "jaxdecode.record/
 everything a request's output depends on: content hashes of the weights and the tokenizer,
 the prompt (text, bytes hash, ids), the processor order, every `SamplingParams` field (the keys
 of `"sampling"` are exactly its field names), the RNG (implementation, seed, the key actually
-used and its per-step derivation `fold_in(key, t)`), jax/jaxlib versions, backend and device
-kind, the engine layout (slots, cache length, prompt bucket), the stop and detokenization rules,
+used and its per-step derivation `fold_in(key, t)`), jax/jaxlib versions, backend, device
+kind and the XLA options the decoder compiled with (`numerics.compiler_options`: which CPU
+product library made the bits), the engine layout (slots, cache length, prompt bucket), the stop and detokenization rules,
 and the output (token ids, a hash of the returned bytes, finish reason, usage).
 
 `replay(record, llm)` re-runs it and compares token ids, then bytes. It names every difference
@@ -34,6 +35,7 @@ import jax
 import numpy as np
 
 from jaxdecode.config import SamplingParams
+from jaxdecode.device import numerics
 from jaxdecode.device.processors import PROCESSOR_ORDER
 from jaxdecode.host.stop import STOP_RULE_VERSION
 
@@ -63,7 +65,8 @@ def environment() -> dict:
     dev = jax.devices()[0]
     return {"jax": jax.__version__, "jaxlib": getattr(jax.lib, "__version__", jax.__version__),
             "backend": jax.default_backend(), "device_kind": dev.device_kind,
-            "prng_impl": str(jax.config.jax_default_prng_impl)}
+            "prng_impl": str(jax.config.jax_default_prng_impl),
+            "compiler_options": numerics.compiler_options()}
 
 
 def sampling_to_json(sp: SamplingParams) -> dict:

@@ -11,6 +11,7 @@ import pytest
 
 import jaxdecode as jd
 import models
+from jaxdecode.device import numerics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPT = "def fibonacci(n):"
@@ -46,6 +47,10 @@ def test_replay_X11_record_layout_is_pinned(llm):
     assert data["output"]["token_ids"] == list(llm.generate([PROMPT], SP)[0].token_ids)
     for key in ("jax", "jaxlib", "backend", "device_kind"):
         assert data["environment"][key]
+    assert data["environment"]["compiler_options"] == numerics.compiler_options()
+    data["environment"]["compiler_options"] = {"xla_cpu_experimental_ynn_fusion_type": "x"}
+    assert any(d.startswith("compiler_options: recorded") for d in
+               jd.replay(jd.GenerationRecord(data), llm).environment_differences)
 
 
 def test_replay_X11_identical_and_tampered_record_reported_at_the_right_step(llm):
