@@ -80,7 +80,9 @@ def compiler_options() -> dict:
 
 def jit(fun=None, **kwargs):
     """`jax.jit` with `compiler_options()`, created at the first call (so the backend is chosen
-    and started by then); also a decorator factory: `@jit(static_argnums=...)`."""
+    and started by then); also a decorator factory: `@jit(static_argnums=...)`. jax accepts
+    compiler options on a top-level jit only: a function jitted here is never called inside
+    another one's trace (jit the undecorated function instead, as `slots.empty_state` does)."""
     if fun is None:
         return functools.partial(jit, **kwargs)
     jitted = []

@@ -90,9 +90,11 @@ def _speculative(config: SlotConfig, rows: RowParams, research_args: Any = None)
     return state
 
 
-@numerics.jit(static_argnums=(0,))
-def _empty(config: SlotConfig, rows: RowParams, research_args: Any = None):
+def _empty_state(config: SlotConfig, rows: RowParams, research_args: Any = None):
     return (_speculative if config.speculative else _plain)(config, rows, research_args)
+
+
+_empty = numerics.jit(_empty_state, static_argnums=(0,))
 
 
 def empty_state(config: SlotConfig, rows: RowParams, *, mesh: Optional[Any] = None,
@@ -104,8 +106,9 @@ def empty_state(config: SlotConfig, rows: RowParams, *, mesh: Optional[Any] = No
     carry, empty."""
     if mesh is None:
         return _empty(config, rows, research_args)
-    shardings = state_sharding(mesh, jax.eval_shape(_empty, config, rows, research_args))
-    build = numerics.jit(_empty, static_argnums=(0,), out_shardings=shardings)
+    shardings = state_sharding(mesh, jax.eval_shape(
+        functools.partial(_empty_state, config), rows, research_args))
+    build = numerics.jit(_empty_state, static_argnums=(0,), out_shardings=shardings)
     return build(config, rows, research_args)
 
 
