@@ -47,7 +47,9 @@ every position (the teacher frozen) instead of the data's next token. The traini
 names both by SHA-256 (`init_from`, `distilled_from`). MODEL_CARD.md lists the shipped runs.
 
 Output files: `tokenizer.json`, `<kind>.safetensors` (flat names: `embed`, `final_norm`,
-`layers.0.q`, ...), `<kind>.json` (LlamaConfig fields + `training` record).
+`layers.0.q`, ...; float32, or float16 with `--save-dtype float16`, in which case the final
+`val_loss` is measured on the rounded weights), `<kind>.json` (LlamaConfig fields + `training`
+record).
 """
 
 from __future__ import annotations
@@ -223,15 +225,15 @@ def encode_stream(tok, texts: list[str]) -> np.ndarray:
 
 # -- saving ---------------------------------------------------------------------------------------
 
-def flatten_params(params) -> dict[str, np.ndarray]:
+def flatten_params(params, dtype=np.float32) -> dict[str, np.ndarray]:
     flat = {}
     for k, v in params.items():
         if k == "layers":
             for i, layer in enumerate(v):
                 for name, arr in layer.items():
-                    flat[f"layers.{i}.{name}"] = np.asarray(arr, np.float32)
+                    flat[f"layers.{i}.{name}"] = np.asarray(arr, np.float32).astype(dtype)
         else:
-            flat[k] = np.asarray(v, np.float32)
+            flat[k] = np.asarray(v, np.float32).astype(dtype)
     return flat
 
 
@@ -257,10 +259,12 @@ def atomic_write(path: str, write_fn) -> None:
         raise
 
 
-def save_model(out_dir: str, kind: str, config, params, training: dict) -> None:
+def save_model(out_dir: str, kind: str, config, params, training: dict,
+               dtype: str = "float32") -> None:
+    """`dtype` float16 halves the file (the loader casts back to float32)."""
     from safetensors.numpy import save_file
 
-    flat = flatten_params(params)
+    flat = flatten_params(params, np.dtype(dtype))
     # Weights first, then the config: a reader that sees the new config sees the new weights.
     atomic_write(os.path.join(out_dir, f"{kind}.safetensors"),
                  lambda p: save_file(flat, p, metadata={"format": "np", "kind": kind}))
@@ -423,6 +427,13 @@ def main(argv=None) -> int:
                     help="write the encoded corpus and tokenizer to FILE.npz and exit")
     ap.add_argument("--corpus", default="", metavar="FILE.npz",
                     help="train on a --save-corpus file instead of this machine's files")
+    ap.add_argument("--save-dtype", choices=["float32", "float16"], default="float32",
+                    help="dtype of the saved weights (float16: half the size, e.g. to fit a "
+                         "device's file-size limit; training stays float32)")
+    ap.add_argument("--matmul-precision", default=None,
+                    choices=["default", "tensorfloat32", "bfloat16", "highest"],
+                    help="jax_default_matmul_precision for training (tensorfloat32 runs f32 "
+                         "products on a GPU's tensor cores)")
     ap.add_argument("--bench-steps", type=int, default=0,
                     help="only time this many train steps (no saving) and exit")
     args = ap.parse_args(argv)
@@ -444,6 +455,9 @@ def main(argv=None) -> int:
     import optax
 
     from models.llama import Llama, LlamaConfig
+
+    if args.matmul_precision:
+        jax.config.update("jax_default_matmul_precision", args.matmul_precision)
 
     size = dict(SIZES["tiny" if args.tiny else args.kind])
     for item in filter(None, args.size.split(",")):
@@ -574,6 +588,7 @@ def main(argv=None) -> int:
             "train_tokens": int(len(train_ids)),
             **corpus,
             "device": jax.devices()[0].device_kind, "jax": jax.__version__,
+            "matmul_precision": args.matmul_precision, "saved_dtype": args.save_dtype,
             "finished": final,
             "init_from": init_record,
             "distilled_from": teacher_record,
@@ -631,14 +646,17 @@ def main(argv=None) -> int:
             last_eval = time.time()
         if now - last_save >= args.save_every * 60:
             train_time = now - t_train0
-            save_model(args.out, args.kind, config, params, record(False))
+            save_model(args.out, args.kind, config, params, record(False), args.save_dtype)
             log(f"saved checkpoint to {args.out}/{args.kind}.safetensors")
             last_save = time.time()
 
     train_time = time.time() - t_train0
+    if args.save_dtype != "float32":  # the final loss is the saved (rounded) weights' loss
+        params = jax.tree_util.tree_map(lambda x: x.astype(args.save_dtype).astype(x.dtype),
+                                        params)
     val_loss = evaluate(params)
     history.append([round(train_time / 60, 2), int(tokens_seen), round(val_loss, 4)])
-    save_model(args.out, args.kind, config, params, record(True))
+    save_model(args.out, args.kind, config, params, record(True), args.save_dtype)
     log(f"done: {step} steps, {tokens_seen / 1e6:.2f}M tokens in {train_time / 60:.1f} min "
         f"({tokens_seen / train_time:.0f} tok/s); final held-out loss {val_loss:.4f} nats/token "
         f"-> {args.out}/{args.kind}.safetensors (total {(time.time() - t_start) / 60:.1f} min)")

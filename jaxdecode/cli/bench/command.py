@@ -11,7 +11,7 @@ import sys
 
 from jaxdecode.cli.bench import host, paged, report as report_mod, research, search, structured
 from jaxdecode.cli.bench import throughput
-from jaxdecode.cli.bench.configs import BENCH_CONFIGS, bench_model, host_model
+from jaxdecode.cli.bench.configs import BENCH_CONFIGS, bench_model, hf_comparable, host_model
 from jaxdecode.cli.bench.timing import BenchConfig
 
 
@@ -92,8 +92,9 @@ def _settle(args) -> None:
 
     if args.model is None:  # size the configuration to the backend
         args.model = "llama-512" if jax.default_backend() == "cpu" else "llama-1b"
-    if args.compare_hf and jax.default_backend() != "cpu":
-        print("--compare-hf: the HF column runs PyTorch on the CPU only", file=sys.stderr)
+    if args.compare_hf and not hf_comparable():
+        print(f"--compare-hf: PyTorch cannot run on this {jax.default_backend()} backend (it "
+              "runs HF on the CPU, or on the GPU with a CUDA build): no HF column", file=sys.stderr)
         args.compare_hf = False
     if args.report:  # the full report: every section, HF side by side when torch is there
         try:
@@ -104,7 +105,7 @@ def _settle(args) -> None:
         args.host_cost = args.engine = True
         try:
             import torch  # noqa: F401
-            args.compare_hf = jax.default_backend() == "cpu"
+            args.compare_hf = hf_comparable()
         except ImportError:
             print("torch is not installed: the report has no HF column", file=sys.stderr)
 

@@ -38,18 +38,20 @@ def bench_model(spec: str, compare_hf: bool, workdir: str):
     import models
 
     if spec in BENCH_CONFIGS:
+        bf16 = spec == "llama-1b"  # the accelerator configuration runs in bf16, HF too
         if not compare_hf:
             import jax
 
             model = models.Llama(llama_config(spec))
-            dtype = jax.numpy.bfloat16 if spec == "llama-1b" else jax.numpy.float32
+            dtype = jax.numpy.bfloat16 if bf16 else jax.numpy.float32
             return model, model.init_params(jax.random.key(0), dtype=dtype), None
         import torch
         import transformers
 
         torch.manual_seed(0)
-        hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**BENCH_CONFIGS[spec]))
-        hf = hf.to(torch.float32).eval()
+        with torch.device(hf_device()):  # initialised where it runs: 1B weights init fast there
+            hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**BENCH_CONFIGS[spec]))
+        hf = hf.to(torch.bfloat16 if bf16 else torch.float32).eval()
         hf.save_pretrained(workdir, safe_serialization=True)
         model, params, _ = models.load(workdir)
         return model, params, hf
@@ -61,8 +63,30 @@ def bench_model(spec: str, compare_hf: bool, workdir: str):
         import torch
         import transformers
 
-        hf = transformers.AutoModelForCausalLM.from_pretrained(spec, dtype=torch.float32).eval()
+        hf = transformers.AutoModelForCausalLM.from_pretrained(spec, dtype=torch.float32)
+        hf = hf.to(hf_device()).eval()
     return model, params, hf
+
+
+def hf_device() -> str:
+    """Where the HF column runs: the GPU when jax runs on one and torch sees CUDA, else the
+    CPU (each framework on the same kind of device, so the ratio compares like with like)."""
+    import jax
+    import torch
+
+    return "cuda" if jax.default_backend() == "gpu" and torch.cuda.is_available() else "cpu"
+
+
+def hf_comparable() -> bool:
+    """Whether `--compare-hf` can put HF on jax's kind of device (CPU, or GPU with CUDA torch)."""
+    import jax
+
+    if jax.default_backend() == "cpu":
+        return True
+    try:
+        return hf_device() == "cuda"
+    except ImportError:
+        return False
 
 
 def host_model(spec: str):

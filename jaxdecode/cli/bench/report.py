@@ -17,6 +17,8 @@ def format_table(report: dict) -> str:
              f"{report['step_bytes'] / 1e6:.1f} MB; GEMV bandwidth "
              f"{report['gemv_bandwidth_gb_s']:.2f} GB/s -> roofline step "
              f"{report['roofline_step_ms']:.2f} ms",
+             *([f"weights: jaxdecode {report['dtype']}; HF torch {report['hf']['torch']} on "
+                f"{report['hf']['device']}, {report['hf']['dtype']}"] if "hf" in report else []),
              "| batch | jaxdecode tok/s | step ms | HF tok/s | ratio |",
              "|---:|---:|---:|---:|---:|"]
     for row in report["rows"]:

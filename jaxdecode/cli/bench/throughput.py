@@ -39,17 +39,34 @@ def time_hf(hf_model, batch: int, cfg: BenchConfig, vocab: int, threads: int) ->
     import torch
 
     torch.set_num_threads(threads)
-    ids = torch.tensor(prompts(batch, cfg.prompt_len, vocab, cfg.seed))
+    ids = torch.tensor(prompts(batch, cfg.prompt_len, vocab, cfg.seed), device=hf_model.device)
     kwargs = dict(max_new_tokens=cfg.new_tokens, min_new_tokens=cfg.new_tokens, do_sample=False,
                   attention_mask=torch.ones_like(ids), pad_token_id=0)
 
     def run():
         with torch.inference_mode():
             hf_model.generate(ids, **kwargs)
+        _hf_sync(hf_model)
 
     run()
     total = median_time(run, cfg.repeats)
     return {"seconds": total, "tokens_per_s": batch * cfg.new_tokens / total}
+
+
+def _hf_sync(hf_model) -> None:
+    """Wait for HF's queued GPU work, so that its time is measured whole."""
+    import torch
+
+    if hf_model.device.type == "cuda":
+        torch.cuda.synchronize(hf_model.device)
+
+
+def hf_setup(hf_model) -> dict:
+    """What the HF column ran on: torch version, device and weight dtype."""
+    import torch
+
+    return {"torch": torch.__version__, "device": str(hf_model.device),
+            "dtype": str(hf_model.dtype).removeprefix("torch.")}
 
 
 def run(model, params, cfg: BenchConfig, hf_model=None, hf_threads: Optional[int] = None,
@@ -63,6 +80,9 @@ def run(model, params, cfg: BenchConfig, hf_model=None, hf_threads: Optional[int
     bw = gemv_bandwidth()
     report["gemv_bandwidth_gb_s"] = bw / 1e9
     report["roofline_step_ms"] = report["step_bytes"] / bw * 1e3
+    report["dtype"] = str(jax.tree.leaves(params)[0].dtype)
+    if hf_model is not None:
+        report["hf"] = hf_setup(hf_model)
     rows = []
     from tqdm.auto import tqdm
 
@@ -98,12 +118,13 @@ def ttft(model, params, lengths: Sequence[int], hf_model=None, hf_threads: Optio
             import torch
 
             torch.set_num_threads(hf_threads or os.cpu_count())
-            tokens = torch.tensor(ids)
+            tokens = torch.tensor(ids, device=hf_model.device)
 
             def hf_first():
                 with torch.inference_mode():
                     hf_model.generate(tokens, attention_mask=torch.ones_like(tokens),
                                       max_new_tokens=1, do_sample=False, pad_token_id=0)
+                _hf_sync(hf_model)
 
             hf_first()
             row["hf_s"] = median_time(hf_first, repeats)
