@@ -231,9 +231,9 @@ def flatten_params(params, dtype=np.float32) -> dict[str, np.ndarray]:
         if k == "layers":
             for i, layer in enumerate(v):
                 for name, arr in layer.items():
-                    flat[f"layers.{i}.{name}"] = np.asarray(arr, np.float32).astype(dtype)
+                    flat[f"layers.{i}.{name}"] = np.asarray(arr, dtype)
         else:
-            flat[k] = np.asarray(v, np.float32).astype(dtype)
+            flat[k] = np.asarray(v, dtype)
     return flat
 
 

@@ -81,12 +81,10 @@ def hf_comparable() -> bool:
     """Whether `--compare-hf` can put HF on jax's kind of device (CPU, or GPU with CUDA torch)."""
     import jax
 
-    if jax.default_backend() == "cpu":
-        return True
     try:
-        return hf_device() == "cuda"
-    except ImportError:
-        return False
+        return jax.default_backend() == "cpu" or hf_device() == "cuda"
+    except ImportError:  # no torch: only the CPU path, which reports the import itself
+        return jax.default_backend() == "cpu"
 
 
 def host_model(spec: str):
