@@ -4,7 +4,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # torch is a test/dev dependency only, pinned to the CPU build that lies on local disk.
 TORCH_SPEC ?= torch==2.13.0
-PROMPT ?= def fibonacci(n):
+# The demo's prompt; backslash escapes (\n) are expanded (printf %b).
+PROMPT ?= def fibonacci(n):\n    """Return the n-th Fibonacci number."""
 
 .PHONY: demo test install dev bench clean
 
@@ -25,7 +26,7 @@ install: $(VENV)/.installed
 dev: $(VENV)/.dev-installed
 
 demo: $(VENV)/.installed
-	$(VENV)/bin/jaxdecode generate --model demo --prompt '$(PROMPT)' --max-tokens 160 \
+	$(VENV)/bin/jaxdecode generate --model demo --prompt "$$(printf '%b' '$(PROMPT)')" --max-tokens 160 \
 		--temperature 0.8 --top-p 0.95 --repetition-penalty 1.1 --seed 0
 
 # pytest exits 5 when it collects no test; that must not pass silently, nor crash make's logic.
