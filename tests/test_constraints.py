@@ -288,7 +288,8 @@ def _rows(tokenizer):
         seed=next(seed), max_tokens=MAX_TOKENS, banned_token_ids=digits,
         response_format={"type": "regex", "pattern": "x[0-9]"})))
     for s in (11, 12):
-        rows.append(("free", "def main():\n", jd.SamplingParams(seed=s, max_tokens=20)))
+        rows.append(("free", "def main():\n", jd.SamplingParams(seed=s, max_tokens=20,
+                                                                 ignore_eos=True)))
     return rows, vocab
 
 
@@ -343,7 +344,8 @@ def test_grammar_P3_mixed_batch_free_rows_unchanged(demo, mixed):
     """Free rows get the same tokens as when their neighbours are unconstrained (SPEC P3, X1)."""
     model, params, tok = demo
     rows, prompts, out, _ = mixed
-    plain = [jd.SamplingParams(seed=sp.seed, max_tokens=sp.max_tokens) for _, _, sp in rows]
+    plain = [jd.SamplingParams(seed=sp.seed, max_tokens=sp.max_tokens, ignore_eos=sp.ignore_eos)
+             for _, _, sp in rows]
     ref = jd.generate(model, params, prompts, plain, tokenizer=tok)
     free = [r for r, (k, _, _) in enumerate(rows) if k == "free"]
     for r in free:

@@ -99,8 +99,10 @@ def test_hook_points_are_named_for_every_family(tiny):
         assert [n for n, _ in seen] == list(hook_points(m.config.num_layers))
         assert all(s == (1, 3, m.config.hidden_size) for _, s in seen)
     demo, demo_params, _ = models.demo()
-    acts = jd.capture_activations(demo, demo_params, [[5, 6, 7]], hook_points(4))
-    assert all(a.shape == (1, 3, 192) for a in acts.values())
+    points = hook_points(demo.config.num_layers)
+    acts = jd.capture_activations(demo, demo_params, [[5, 6, 7]], points)
+    assert list(acts) == list(points)
+    assert all(a.shape == (1, 3, demo.config.hidden_size) for a in acts.values())
 
 
 # -- interventions -----------------------------------------------------------------------------

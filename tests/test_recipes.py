@@ -50,6 +50,21 @@ def test_watermark_processor_adds_delta_to_green_logits(demo):
             np.testing.assert_allclose(shift[green] - shift[~green].mean(), 3.0, atol=1e-4)
 
 
+def test_watermark_detector_scores_a_repeated_pair_once():
+    """A run of one repeated pair (a line of `~` or `=` in code) is one piece of evidence: by
+    default it is scored once, so it cannot push unmarked text past the threshold alone."""
+    red = next(t for t in range(1, 4096) if not watermark.is_green(t, t, KEY, 0.25))
+    run = [red] * 41                                   # 40 scored pairs, all (red, red)
+    every = watermark.detect(run, KEY, ignore_repeats=False)
+    assert (every.green, every.scored) == (0, 40) and every.z < -3
+    once = watermark.detect(run, KEY)
+    assert (once.green, once.scored) == (0, 1) and abs(once.z) < 1
+    mixed = watermark.detect([5, 6, 5, 6, 5, 7], KEY)  # pairs (5,6) (6,5) (5,6) (6,5) (5,7)
+    assert mixed.scored == 3
+    assert mixed.green == int(sum(watermark.is_green(p, t, KEY, 0.25)
+                                  for p, t in ((5, 6), (6, 5), (5, 7))))
+
+
 def test_watermark_detector_separates_watermarked_from_plain_text(demo):
     model, params, tok = demo
     ids = [tok.encode(p).ids for p in CODE_PROMPTS]

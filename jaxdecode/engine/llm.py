@@ -190,7 +190,8 @@ class LLM:
         return step_ops.apply(self._core.ctx, None, op)[1]
 
     def close(self, timeout: float = 10.0) -> None:
-        """Stop the engine thread; requests still queued or running end CANCELLED."""
+        """Stop the engine thread, waiting up to `timeout` seconds for it (a step that is running,
+        or compiling, finishes first); requests still queued or running end CANCELLED."""
         self._scheduler.close()
         self._core.join(timeout)
 

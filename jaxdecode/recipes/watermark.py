@@ -5,7 +5,8 @@ At each step the vocabulary is split by a keyed hash of the previous token: a fr
 of the ids is "green". The processor adds `delta` to the green logits (after the penalties and
 masks, before temperature); a text written with it holds more green tokens than the gamma a
 text written without it holds on average. The detector counts the green tokens of a token
-sequence, each judged against its predecessor, and returns the one-proportion z-score
+sequence, each judged against its predecessor (a repeated pair once), and returns the
+one-proportion z-score
 
     z = (green - gamma * T) / sqrt(T * gamma * (1 - gamma))
 
@@ -83,17 +84,23 @@ class Detection:
 
 
 def detect(token_ids: Sequence[int], key: int, gamma: float = 0.25,
-           prev: Optional[int] = None) -> Detection:
+           prev: Optional[int] = None, ignore_repeats: bool = True) -> Detection:
     """Score a token sequence: each token against its predecessor (the first one against
-    `prev`, e.g. the last prompt token, when given; else it is not scored)."""
+    `prev`, e.g. the last prompt token, when given; else it is not scored). With
+    `ignore_repeats` (the default) each distinct (predecessor, token) pair is scored once: a
+    pair that comes back is judged the same way every time, so counting it again adds no
+    evidence and lifts the z-score of repetitive text written without the key (Kirchenbauer et
+    al., "On the Reliability of Watermarks for Large Language Models", 2023)."""
     ids = [int(t) for t in token_ids]
     if prev is not None:
         ids = [int(prev)] + ids
     if len(ids) < 2:
         raise ValueError("token_ids: need at least one scored token (two ids, or one and prev)")
-    a = np.asarray(ids, np.int64)
-    green = int(np.sum(is_green(a[:-1], a[1:], key, gamma)))
-    return _score(green, len(ids) - 1, gamma)
+    pairs = np.asarray(list(zip(ids[:-1], ids[1:])), np.int64)
+    if ignore_repeats:
+        pairs = np.unique(pairs, axis=0)
+    green = int(np.sum(is_green(pairs[:, 0], pairs[:, 1], key, gamma)))
+    return _score(green, len(pairs), gamma)
 
 
 def _score(green: int, scored: int, gamma: float) -> Detection:
@@ -106,10 +113,11 @@ def pooled(detections: Sequence[Detection], gamma: float = 0.25) -> Detection:
     return _score(sum(d.green for d in detections), sum(d.scored for d in detections), gamma)
 
 
-def detect_text(text: str, tokenizer: Any, key: int, gamma: float = 0.25) -> Detection:
+def detect_text(text: str, tokenizer: Any, key: int, gamma: float = 0.25,
+                ignore_repeats: bool = True) -> Detection:
     """`detect` on the tokenization of `text` (a `tokenizers.Tokenizer` or a transformers
     tokenizer)."""
-    return detect(encode(tokenizer, text), key, gamma)
+    return detect(encode(tokenizer, text), key, gamma, ignore_repeats=ignore_repeats)
 
 
 __all__ = ["Detection", "detect", "detect_text", "is_green", "pooled", "watermark_processor"]
