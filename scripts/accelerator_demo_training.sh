@@ -14,6 +14,8 @@
 #       --extra-packages jax,numpy,flax,optax,orbax,transformers,torch,scipy,sympy,networkx
 #   (the dev environment's packages: 51.5 M tokens, 32 MB, git-ignored; the first 2026-12-04 run's
 #   28.5 M-token text without the last four overfitted: training loss ~1.0, held-out 2.47)
+# The device takes the tracked tree (~19 MB with the shipped models) plus what is carried, at
+# most 64 MiB in all: corpus.npz fits, and beside it one `main` to continue from (--init-from).
 # There (run, carry ["corpus.npz"], timeout_s ~ MAIN + DRAFT minutes + 2):
 #   bash scripts/accelerator_demo_training.sh MAIN_MINUTES DRAFT_MINUTES
 # The weights, records and one log (6 files: the device returns at most 8) come back under
