@@ -59,13 +59,12 @@ def greedy_documents(model, params, train: np.ndarray, *, prompts: int, prompt_l
         if i and time.time() - t0 >= seconds:
             log(f"stopped at {i}/{prompts} prompts: the {seconds:.0f} s budget is spent")
             break
-        rows = np.stack([train[s:s + prompt_len] for s in starts[i:i + batch]]).astype(np.int32)
-        buf = np.zeros((len(rows), total), np.int32)
-        buf[:, :prompt_len] = rows
+        buf = np.zeros((len(starts[i:i + batch]), total), np.int32)
+        buf[:, :prompt_len] = [train[s:s + prompt_len] for s in starts[i:i + batch]]
         out = np.asarray(continue_greedy(params, jnp.asarray(buf)))
         docs.extend(np.append(row, np.int32(eot)) for row in out)
         log(f"{min(i + batch, prompts)}/{prompts} prompts, {time.time() - t0:.0f} s")
-    return np.concatenate(docs).astype(np.int32)
+    return np.concatenate(docs)
 
 
 def main(argv=None) -> int:
