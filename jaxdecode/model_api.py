@@ -204,6 +204,9 @@ class DecoderModel(Protocol):
     True promises that a row's logits are bitwise the same whatever the other rows are, however
     many there are, and whatever `kv_len` or cache length the call uses (for a fixed number T of
     tokens per row). `models/` does it with fixed-shape row tiles, key blocks and `fixed_sum`.
+    Such a model may carry its tile as `row_tile` (rows per weight product; default `ROW_TILE`)
+    and `with_row_tile(n)` (the same model on n-row tiles: `LLM(row_tile=n)` calls it). The
+    promise holds for one tile: two tiles give a row different bits.
     """
 
     config: ModelConfig
@@ -234,9 +237,9 @@ def hidden_state_point(layer: int, num_layers: int) -> str:
     return "embed" if layer == 0 else "final_norm" if layer == num_layers else f"resid.{layer - 1}"
 
 
-# Token rows per weight-product tile of a batch-invariant model (models/layers.py `dense`):
-# jaxdecode.device.numerics picks XLA:CPU's product library by whether a row's bits are the same
-# at every place of a tile of this many rows.
+# Token rows per weight-product tile of a batch-invariant model by default (models/layers.py
+# `dense`; `DecoderModel.row_tile`): jaxdecode.device.numerics picks XLA:CPU's product library by
+# whether a row's bits are the same at every place of a tile of this many rows.
 ROW_TILE = 4
 
 

@@ -17,7 +17,8 @@ processed probabilities at that step (recomputed from the prompt plus the common
 Batch invariance (SPEC X1, docs/batch_invariance.md): a seeded request's tokens do not depend
 on its slot, its neighbours or `max_slots`. The record says how far that holds for the run that
 made it: `"batch_invariance": {"mode", "backend", "bitwise"}` (`numerics.guarantee`; bitwise
-True for a batch-invariant model on a backend the suite checks, XLA:CPU). Records written
+True for a batch-invariant model on a backend the suite checks, XLA:CPU; `row_tile`, the rows
+per weight-product tile it holds for, compared on replay). Records written
 before the field existed load unchanged (the key is then absent). The prompt bucket depends
 on the prompt alone and is pinned in the record.
 """
@@ -206,6 +207,11 @@ def environment_differences(record: GenerationRecord, llm: Any) -> list:
         out.append("model: weights differ from the recorded snapshot hash")
     if record.data["tokenizer"]["hash"] != llm.tokenizer_hash:
         out.append("tokenizer: differs from the recorded snapshot hash")
+    was_tile = (record.data.get("batch_invariance") or {}).get("row_tile")
+    now_tile = numerics.guarantee(llm.model, jax.default_backend()).get("row_tile")
+    if was_tile is not None and was_tile != now_tile:
+        out.append(f"row_tile: recorded {was_tile}, now {now_tile} (a row's bits hold for one "
+                   "tile; replay with LLM(row_tile=...) as recorded)")
     now_processors = getattr(llm, "processor_order", None)
     was_processors = record.data.get("processors")
     if (list(now_processors) if now_processors else None) != was_processors:

@@ -24,9 +24,12 @@ from models import paged_attention
 
 Array = jax.Array
 
-# ROW_TILE (jaxdecode.model_api): token rows per weight-product tile in the cached forward. A
-# call of B rows of T tokens runs products of exactly max(ROW_TILE, T) rows (the last one
-# zero-padded), one per tile up to the last row with tokens to process (`Tiles`).
+# `CachedDecoder.row_tile` (default `model_api.ROW_TILE`): token rows per weight-product tile in
+# the cached forward. A call of B rows of T tokens runs products of exactly max(row_tile, T) rows
+# (the last one zero-padded), one per tile up to the last row with tokens to process (`Tiles`).
+
+# The widest row tile a model accepts (a tile wider than the batch computes padding rows).
+MAX_ROW_TILE = 64
 
 # Keys per attention block: every (row, kv head, block) is one product of fixed shape.
 ATTN_BLOCK = 128
@@ -67,10 +70,11 @@ class Tiles:
     rows: Array
 
     @classmethod
-    def upto_last_live(cls, lengths: Array) -> "Tiles":
-        """Tiles covering every row with tokens (lengths > 0) and the rows before it."""
+    def upto_last_live(cls, lengths: Array, size: int = ROW_TILE) -> "Tiles":
+        """Tiles of `size` rows covering every row with tokens (lengths > 0) and the rows
+        before it."""
         live = jnp.where(lengths > 0, jnp.arange(lengths.shape[0], dtype=jnp.int32) + 1, 0)
-        return cls(ROW_TILE, jnp.max(live, initial=0))
+        return cls(size, jnp.max(live, initial=0))
 
 
 def dense(x: Array, w: Array, tile: Optional[Tiles] = None, *, transpose: bool = False,
@@ -289,9 +293,12 @@ def _attention_elementwise(q: Array, k: Array, v: Array, q_pos: Array, k_pos: Ar
     return out.astype(q.dtype).transpose(0, 2, 1, 3, 4).reshape(b, t, h, d)
 
 
+@dataclasses.dataclass(frozen=True)
 class CachedDecoder:
     """The `DecoderModel` protocol methods every family shares. A family is a frozen dataclass
-    with a `config` and `_run(params, tokens, positions, attend, tile, hook) -> hidden states`
+    with a `config` (and the keyword `row_tile`: `dense`'s rows per product tile in the cached
+    forward, a static setting that trades batch-1 against full-batch step time; a row's bits
+    are invariant for one `row_tile`, not across two) and `_run(params, tokens, positions, attend, tile, hook) -> hidden states`
     after the final norm (`_head` maps them to logits: the tied embedding or `lm_head`), where
     `attend(layer, q, k, v, window=None, scale=None)` takes this call's queries [B, T, H, D]
     and keys / values [B, T, KVH, D] (RoPE applied) and returns the attention output
@@ -300,7 +307,18 @@ class CachedDecoder:
     row tiling (`Tiles` in the cached forward, None in `logits`) and `hook` is None or called as
     `x = hook(name, x)` at each of `model_api.hook_points`."""
 
+    row_tile: int = dataclasses.field(default=ROW_TILE, kw_only=True)
     batch_invariant = True  # the cached forward: docs/batch_invariance.md
+
+    def __post_init__(self):
+        if (not isinstance(self.row_tile, (int, np.integer)) or isinstance(self.row_tile, bool)
+                or not 1 <= self.row_tile <= MAX_ROW_TILE):
+            raise ValueError(f"row_tile: expected an integer in [1, {MAX_ROW_TILE}], got "
+                             f"{self.row_tile!r}")
+
+    def with_row_tile(self, row_tile: int) -> "CachedDecoder":
+        """This model with products on tiles of `row_tile` rows (`model_api.DecoderModel`)."""
+        return dataclasses.replace(self, row_tile=row_tile)
 
     def init_cache(self, batch: int, max_len: int, dtype: Any = jnp.float32) -> KVCache:
         c = self.config
@@ -341,7 +359,7 @@ class CachedDecoder:
             return attention(q, keys.astype(q.dtype), values.astype(q.dtype), positions, key_pos,
                              window, scale)
 
-        tiles = Tiles.upto_last_live(lengths)
+        tiles = Tiles.upto_last_live(lengths, self.row_tile)
         x = self._run(params, tokens, positions, attend, tiles, hook)
         if last_only:
             x = jnp.take_along_axis(x, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)

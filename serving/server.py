@@ -162,12 +162,12 @@ def main(args: Any) -> int:
         llm = LLM(model, params, tokenizer, max_slots=args.max_slots, max_len=max_len,
                   max_queue=args.max_queue, model_source=args.model, mesh=mesh,
                   speculative=speculative, step_hook=hook, params_hash=params_hash,
-                  decode_steps=args.decode_steps, **limits, **kv)
+                  decode_steps=args.decode_steps, row_tile=args.row_tile, **limits, **kv)
     except ValueError as e:  # on every process: a follower never waits for a failed leader
         raise flag_error(e)
     if distributed and jax.process_index() != 0:  # built only to check the flags
         log_event("follower.start", process=jax.process_index(), devices=jax.device_count())
-        applied = dist.run_follower(model, params, hook, max_slots=llm.max_slots,
+        applied = dist.run_follower(llm.model, params, hook, max_slots=llm.max_slots,
                                     max_len=llm.max_len, eos_token_ids=llm.eos_token_ids,
                                     mesh=mesh, pages=llm.kv.pages, page_size=llm.kv.page_size)
         log_event("follower.stop", process=jax.process_index(), ops=applied)
@@ -186,7 +186,7 @@ def main(args: Any) -> int:
     log_event("server.start", model=name, host=args.host, port=args.port,
               max_slots=args.max_slots, max_len=max_len, max_queue=args.max_queue,
               auth=api_key is not None, on_disconnect=args.on_disconnect,
-              speculative=spec_setting)
+              speculative=spec_setting, row_tile=getattr(llm.model, "row_tile", None))
     try:
         serve_app(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:
@@ -233,6 +233,11 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--decode-steps", type=int, default=1,
                    help="decode steps per device call while no request waits (jd.LLM's "
                         "decode_steps; default 1: an arrival waits for one step, not several)")
+    p.add_argument("--row-tile", type=int, default=None,
+                   help="rows per weight-product tile (jd.LLM's row_tile; default: the "
+                        "model's, 4). Wider tiles speed up full batches and slow a lone "
+                        "stream: --row-tile 16 with --max-slots 16 on a busy server "
+                        "(docs/performance.md \"Row tiles\")")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' (also $JAXDECODE_API_KEY); "
                         "/health stays open")

@@ -85,12 +85,19 @@ def _probe_logits(model, params, prompts, settings_, slot):
             np.asarray(bufs[0][slot]).tolist())
 
 
-@pytest.mark.parametrize("name", FAMILIES)
-def test_invariance_logits_prefill_and_device_loop_bitwise_at_every_batch_size(family, name):
+# (family, row tile): every family at the default tile, two at a wide one (LLM(row_tile=16))
+TILED = [(name, models.layers.ROW_TILE) for name in FAMILIES] + [("llama", 16), ("demo", 16)]
+
+
+@pytest.mark.parametrize("name,row_tile", TILED)
+def test_invariance_logits_prefill_and_device_loop_bitwise_at_every_batch_size(family, name,
+                                                                               row_tile):
     """Prefill logits of a probe row, and its logits after STEPS steps of the on-device loop:
     bitwise equal alone and in batches of 2, 3, 7 and 16, at a random slot among random
-    neighbours (other prompt buckets, cache lengths and settings)."""
+    neighbours (other prompt buckets, cache lengths and settings), at the default row tile and
+    at 16 rows (a batch of 16 is then one product per weight, a lone row a padded one)."""
     model, params = family(name)
+    model = model.with_row_tile(row_tile)
     rng = np.random.default_rng(FAMILIES.index(name))
     vocab = model.config.vocab_size
     probe = _prompt(rng, vocab, 1, 9)
@@ -166,9 +173,10 @@ def _engine_logits(model, params, max_slots, max_len, probe, neighbours, slot):
     return seen
 
 
-@pytest.mark.parametrize("name", FAMILIES)
-def test_invariance_engine_logits_bitwise_at_every_max_slots(family, name):
+@pytest.mark.parametrize("name,row_tile", TILED)
+def test_invariance_engine_logits_bitwise_at_every_max_slots(family, name, row_tile):
     model, params = family(name)
+    model = model.with_row_tile(row_tile)
     rng = np.random.default_rng(200 + FAMILIES.index(name))
     vocab = model.config.vocab_size
     max_len = min(model.config.max_len, 512)
@@ -206,14 +214,15 @@ def test_invariance_engine_logits_bitwise_across_attention_buckets(kv_heads):
         assert np.array_equal(a, b), f"logits after {'prefill' if i == 0 else f'step {i}'}"
 
 
-@pytest.mark.parametrize("name", FAMILIES)
-def test_invariance_engine_chunk_calls_bitwise_at_every_row_count(family, name):
+@pytest.mark.parametrize("name,row_tile", TILED)
+def test_invariance_engine_chunk_calls_bitwise_at_every_row_count(family, name, row_tile):
     """The engine prefills the chunks of one iteration that share a program shape in one call
     (scheduler.chunks): every row's logits and KV pages are bitwise those of its chunk run
     alone, whatever the call's row count (1 to 8, padded to a power of two) and the row's place
     in it -- the prefix cache's exactness depends on it. Two chunks per prompt, so the second
     reads pages the first wrote."""
     model, params = family(name)
+    model = model.with_row_tile(row_tile)
     ctx = step_ops.Context(model, params, 8, 64, model.config.eos_token_ids)
     rng = np.random.default_rng(7)
     vocab, t = model.config.vocab_size, 16
@@ -249,8 +258,8 @@ def test_invariance_engine_chunk_calls_bitwise_at_every_row_count(family, name):
                 f"{name}: chunk {key[0]} of prompt {key[1]} differs in a call of {rows} rows")
 
 
-@pytest.mark.parametrize("t", [1, 16])
-def test_invariance_dense_stops_after_the_last_live_row(t):
+@pytest.mark.parametrize("t,size", [(1, 4), (16, 4), (1, 16), (4, 16)])
+def test_invariance_dense_stops_after_the_last_live_row(t, size):
     """`dense` runs its row tiles only up to the last batch row with tokens (padding rows of a
     chunk call, finished slots at the end of a step): the rows before it keep the bits of the
     full loop, the rows after it are zeros (not computed)."""
@@ -259,7 +268,8 @@ def test_invariance_dense_stops_after_the_last_live_row(t):
     rng = np.random.default_rng(3)
     x = rng.standard_normal((16, t, 24)).astype(np.float32)
     w = rng.standard_normal((24, 40)).astype(np.float32)
-    run = jax.jit(lambda x, lengths: layers.dense(x, w, layers.Tiles.upto_last_live(lengths)))
+    run = jax.jit(lambda x, lengths: layers.dense(x, w,
+                                                  layers.Tiles.upto_last_live(lengths, size)))
     full = np.asarray(run(x, np.ones(16, np.int32)))
     for last in (1, 3, 9, 16):
         lengths = np.zeros(16, np.int32)
@@ -267,8 +277,8 @@ def test_invariance_dense_stops_after_the_last_live_row(t):
         lengths[: last - 1: 2] = 1          # live rows before the last one; gaps are computed too
         out = np.asarray(run(x, lengths))
         assert np.array_equal(out[:last], full[:last]), f"rows before {last}"
-        tile = max(layers.ROW_TILE, t)      # the rest of the last live row's tile is computed
-        computed = -(-last * t // tile) * tile // t
+        tile = max(size, t)                 # the rest of the last live row's tile is computed
+        computed = min(16, -(-last * t // tile) * tile // t)
         assert np.array_equal(out[:computed], full[:computed])
         assert not out[computed:].any(), f"rows after the tile of row {last - 1} ran"
     assert not np.asarray(run(x, np.zeros(16, np.int32))).any()

@@ -78,6 +78,24 @@ def compiler_options() -> dict:
     return {}
 
 
+@functools.cache
+def check_row_tile(rows: int) -> None:
+    """A model's `row_tile` (rows per weight-product tile) must keep every row's bits the same at
+    every place of its tile under the products this process compiles with (`compiler_options`,
+    which were chosen for `ROW_TILE` rows); raises ValueError naming `row_tile` where they do
+    not. Checked on XLA:CPU, the backend whose invariance the suite tests."""
+    if rows == ROW_TILE or jax.default_backend() not in TESTED_BACKENDS:
+        return
+    options = compiler_options()
+    if not place_invariant(options, rows):
+        library = "Eigen's" if options else "YNNPACK's"
+        raise ValueError(
+            f"row_tile: {library} products on this CPU give a row different bits at different "
+            f"places of a {rows}-row tile, so a request's tokens would depend on its neighbours;"
+            f" use row_tile {ROW_TILE} (the default) or another width that passes "
+            "`jaxdecode.device.numerics.place_invariant`")
+
+
 def jit(fun=None, **kwargs):
     """`jax.jit` with `compiler_options()`, created at the first call (so the backend is chosen
     and started by then); also a decorator factory: `@jit(static_argnums=...)`. jax accepts
@@ -116,9 +134,13 @@ def softmax(x: Array) -> Array:
 def guarantee(model: Any, backend: str) -> dict:
     """What a generation record states about batch invariance (SPEC §11, X1): `mode` is
     "row_tiles" when the model declares batch-invariant numerics (`batch_invariant`, see
-    jaxdecode.model_api), else "none"; `bitwise` is True only for such a model on a backend the
+    jaxdecode.model_api), else "none", and then `row_tile` its rows per product tile (the
+    invariance holds for that tile); `bitwise` is True only for such a model on a backend the
     suite checks (the decoder's own sums are invariant everywhere; the model's products are
     tested on XLA:CPU only -- see docs/batch_invariance.md for accelerators)."""
     declared = bool(getattr(model, "batch_invariant", False))
-    return {"mode": "row_tiles" if declared else "none", "backend": backend,
-            "bitwise": declared and backend in TESTED_BACKENDS}
+    out = {"mode": "row_tiles" if declared else "none", "backend": backend,
+           "bitwise": declared and backend in TESTED_BACKENDS}
+    if declared:
+        out["row_tile"] = int(getattr(model, "row_tile", ROW_TILE))
+    return out

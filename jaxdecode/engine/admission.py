@@ -33,7 +33,7 @@ import os
 from typing import Any, Callable, Optional, Sequence, Union
 
 from jaxdecode.config import SamplingParams
-from jaxdecode.device import constraints, decode
+from jaxdecode.device import constraints, decode, numerics
 from jaxdecode.device.state import seed_key_data
 from jaxdecode.engine.request import Request
 from jaxdecode.prompts import token_row
@@ -94,6 +94,19 @@ def _integer(name: str, value: Any, low: int = 1, high: Optional[int] = None) ->
             high is not None and value > high):
         bound = f"in [{low}, {high}]" if high is not None else "a positive integer"
         raise ValueError(f"{name}: must be {bound}, got {value!r}")
+
+
+def row_tiled(model: Any, row_tile: Optional[int]) -> Any:
+    """`model` on `row_tile`-row weight-product tiles (None: its own tile), checked against this
+    process's products (`numerics.check_row_tile`; ValueError naming `row_tile`)."""
+    if row_tile is not None:
+        if not hasattr(model, "with_row_tile"):
+            raise ValueError(f"row_tile: {type(model).__name__} has no row tiles "
+                             "(no `with_row_tile`, jaxdecode.model_api.DecoderModel)")
+        model = model.with_row_tile(row_tile)
+    if getattr(model, "batch_invariant", False) and hasattr(model, "row_tile"):
+        numerics.check_row_tile(model.row_tile)
+    return model
 
 
 def check_sizes(max_slots: int, max_len: int, max_queue: int, model_max_len: int) -> None:

@@ -37,7 +37,11 @@ class LLM:
     Per-request bounds: `max_num_beams`, `max_n`; `max_constraint_compile_s` and
     `max_constraint_states` make the `CompileBudget` of a response_format compile.
     `params_hash`: the weights' content hash when the caller knows it (never recomputed);
-    `decode_steps`: decode steps per device call while nothing waits (admission.py)."""
+    `decode_steps`: decode steps per device call while nothing waits (admission.py);
+    `row_tile`: rows per weight-product tile of the model and its draft (None: the model's own,
+    `model_api.ROW_TILE` by default). Wider tiles make full batches faster and a lone row slower
+    (docs/performance.md "Row tiles"); a row's tokens are invariant for one tile, not across two,
+    and records pin it."""
 
     def __init__(self, model: DecoderModel, params: Any, tokenizer: Any, *, max_slots: int = 8,
                  max_len: int = 2048, eos_token_ids: Optional[Sequence[int]] = None,
@@ -49,7 +53,14 @@ class LLM:
                  max_constraint_states: int = constraints.limits.MAX_STATES,
                  processors: Optional[Sequence[Any]] = None, params_hash: Optional[str] = None,
                  kv_pages: Optional[int] = None, page_size: int = 16, prefix_cache: bool = True,
-                 prefill_chunk: Optional[int] = 256, decode_steps: Optional[int] = None):
+                 prefill_chunk: Optional[int] = 256, decode_steps: Optional[int] = None,
+                 row_tile: Optional[int] = None):
+        model = admission.row_tiled(model, row_tile)
+        if row_tile is not None and isinstance(speculative, dict) and isinstance(
+                speculative.get("draft"), (tuple, list)) and len(speculative["draft"]) == 2:
+            draft, draft_params = speculative["draft"]
+            speculative = dict(speculative, draft=(admission.row_tiled(draft, row_tile),
+                                                   draft_params))
         admission.check_sizes(max_slots, max_len, max_queue, model.config.max_len)
         self.model, self.params, self.tokenizer = model, params, tokenizer
         self.max_slots, self.max_len, self.max_queue = max_slots, max_len, max_queue

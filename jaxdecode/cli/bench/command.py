@@ -27,6 +27,9 @@ def bench_arguments(b) -> None:
                         "llama-512 on CPU, llama-1b in bf16 on an accelerator)")
     b.add_argument("--batch", type=int, action="append", help="batch size (repeatable)")
     b.add_argument("--prompt-len", type=int, default=16)
+    b.add_argument("--row-tile", type=int, default=None,
+                   help="rows per weight-product tile of the model (default: the model's, 4; "
+                        "docs/performance.md \"Row tiles\")")
     b.add_argument("--new-tokens", type=int, default=64)
     b.add_argument("--repeats", type=int, default=3)
     b.add_argument("--compare-hf", action="store_true",
@@ -114,9 +117,12 @@ def _decode_sections(args, cfg: BenchConfig) -> tuple[dict, list]:
     """Throughput (HF side by side), time to first token, beam search on the bench model."""
     import tempfile
 
+    from jaxdecode.engine.admission import row_tiled
+
     progress = lambda row: print(json.dumps(row), file=sys.stderr)  # noqa: E731
     with tempfile.TemporaryDirectory() as workdir:
         model, params, hf = bench_model(args.model, args.compare_hf, workdir)
+        model = row_tiled(model, args.row_tile)
         report = throughput.run(model, params, cfg, hf_model=hf, hf_threads=args.hf_threads,
                                 progress=progress)
         if args.report:
@@ -160,7 +166,10 @@ def _host_sections(args, cfg: BenchConfig, report: dict, text: list) -> None:
     """Host pipeline cost per token; the engine with streaming against the raw loop."""
     import sysconfig
 
+    from jaxdecode.engine.admission import row_tiled
+
     model, params, tokenizer, spec = host_model(args.model)
+    model = row_tiled(model, args.row_tile)
     if args.host_cost:
         with open(os.path.join(sysconfig.get_paths()["stdlib"], "json", "decoder.py"),
                   encoding="utf-8") as f:
