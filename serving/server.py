@@ -237,7 +237,7 @@ def add_arguments(p: Any) -> None:
                    help="rows per weight-product tile (jd.LLM's row_tile; default: the "
                         "model's, 4). Wider tiles speed up full batches and slow a lone "
                         "stream: --row-tile 16 with --max-slots 16 on a busy server "
-                        "(docs/performance.md \"Row tiles\")")
+                        "(docs/batch_invariance.md \"Row tiles as a setting\")")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' (also $JAXDECODE_API_KEY); "
                         "/health stays open")

@@ -39,9 +39,9 @@ class LLM:
     `params_hash`: the weights' content hash when the caller knows it (never recomputed);
     `decode_steps`: decode steps per device call while nothing waits (admission.py);
     `row_tile`: rows per weight-product tile of the model and its draft (None: the model's own,
-    `model_api.ROW_TILE` by default). Wider tiles make full batches faster and a lone row slower
-    (docs/performance.md "Row tiles"); a row's tokens are invariant for one tile, not across two,
-    and records pin it."""
+    `model_api.ROW_TILE` by default). Wider tiles make full batches faster and a lone row
+    slower; a row's tokens are invariant for one tile, not across two, and records pin it
+    (docs/batch_invariance.md "Row tiles as a setting")."""
 
     def __init__(self, model: DecoderModel, params: Any, tokenizer: Any, *, max_slots: int = 8,
                  max_len: int = 2048, eos_token_ids: Optional[Sequence[int]] = None,

@@ -29,7 +29,7 @@ def bench_arguments(b) -> None:
     b.add_argument("--prompt-len", type=int, default=16)
     b.add_argument("--row-tile", type=int, default=None,
                    help="rows per weight-product tile of the model (default: the model's, 4; "
-                        "docs/performance.md \"Row tiles\")")
+                        "docs/batch_invariance.md \"Row tiles as a setting\")")
     b.add_argument("--new-tokens", type=int, default=64)
     b.add_argument("--repeats", type=int, default=3)
     b.add_argument("--compare-hf", action="store_true",
