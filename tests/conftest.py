@@ -3,7 +3,7 @@
 `tiny_hf_checkpoint(name)` builds (once per session, lazily) a tiny randomly initialised Hugging
 Face checkpoint directory with transformers + torch on CPU: config.json, generation_config.json,
 safetensors weights and a small trained tokenizer, so `models.load(path)` works end to end.
-Names: see `HF_CHECKPOINTS`.
+Names: see `HF_CHECKPOINTS`. `demo` is the embedded demo model, loaded once per session.
 
 `_release_compiled_programs` drops compiled programs after each test module: XLA:CPU keeps
 every compiled program's machine code mapped (about six memory maps each), and the suite's
@@ -106,6 +106,14 @@ def _randomize(model, seed: int, std: float = 0.15):
             noise = torch.randn(p.shape, generator=g, dtype=torch.float32)
             is_norm = ("norm" in name or ".ln_" in name) and name.endswith("weight")
             p.copy_(1.0 + 0.1 * noise if is_norm else std * noise)
+
+
+@pytest.fixture(scope="session")
+def demo():
+    """The embedded demo model: `(model, params, tokenizer)`."""
+    import models
+
+    return models.demo()
 
 
 @pytest.fixture(scope="session")

@@ -31,11 +31,6 @@ from tests.scripted import Bigram
 DEMO_PREFIX = "import os\nimport sys\n\n\ndef main(argv):\n    " * 6  # 80+ tokens
 
 
-@pytest.fixture(scope="module")
-def demo():
-    return models.demo()
-
-
 # -- the page layout ------------------------------------------------------------------------
 
 def _pools(rng, layers=2, kvh=2, pages=12, ps=4, hd=3, b=3, max_len=16):

@@ -18,11 +18,6 @@ CODE_PROMPTS = ["def parse(path):\n", "class Config:\n", "import os\nimport sys\
                 "# utilities\n"]
 
 
-@pytest.fixture(scope="module")
-def demo():
-    return models.demo()
-
-
 def test_watermark_green_list_is_the_same_on_device_and_host():
     prev = np.array([0, 1, 17, 4095, 123456], np.int64)
     ids = np.arange(4096)

@@ -20,11 +20,6 @@ SP = jd.SamplingParams(temperature=0.9, seed=7, max_tokens=40, ignore_eos=True,
 
 
 @pytest.fixture(scope="module")
-def demo():
-    return models.demo()
-
-
-@pytest.fixture(scope="module")
 def llm(demo):
     model, params, tok = demo
     with jd.LLM(model, params, tok, max_slots=4, max_len=256, model_source="demo") as engine:

@@ -24,11 +24,6 @@ SP = jd.SamplingParams(temperature=0.8, seed=50448, max_tokens=24, ignore_eos=Tr
 
 
 @pytest.fixture(scope="module")
-def demo():
-    return models.demo()
-
-
-@pytest.fixture(scope="module")
 def wide(demo):
     model, params, tok = demo
     with jd.LLM(model, params, tok, max_slots=4, max_len=256, row_tile=16,
@@ -84,6 +79,14 @@ def test_row_tile_X11_record_pins_the_tile_and_replay_names_another(demo, wide, 
     path = tmp_path / "record.json"
     record.save(str(path))
     assert cmd_replay(argparse.Namespace(file=str(path), model="demo")) == 0
+
+
+def test_row_tile_the_draft_of_a_speculative_engine_gets_the_tile(demo):
+    model, params, tok = demo
+    draft, draft_params, _ = models.demo("draft")
+    with jd.LLM(model, params, tok, max_slots=2, max_len=256, row_tile=16,
+                speculative={"draft": (draft, draft_params), "k": 4}) as llm:
+        assert llm._admission.speculative.draft.row_tile == 16
 
 
 def test_row_tile_bad_values_and_models_name_the_field(demo):

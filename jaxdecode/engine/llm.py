@@ -12,6 +12,7 @@ under the back-pressure policy.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 from jaxdecode import replay as replay_lib
@@ -56,11 +57,6 @@ class LLM:
                  prefill_chunk: Optional[int] = 256, decode_steps: Optional[int] = None,
                  row_tile: Optional[int] = None):
         model = admission.row_tiled(model, row_tile)
-        if row_tile is not None and isinstance(speculative, dict) and isinstance(
-                speculative.get("draft"), (tuple, list)) and len(speculative["draft"]) == 2:
-            draft, draft_params = speculative["draft"]
-            speculative = dict(speculative, draft=(admission.row_tiled(draft, row_tile),
-                                                   draft_params))
         admission.check_sizes(max_slots, max_len, max_queue, model.config.max_len)
         self.model, self.params, self.tokenizer = model, params, tokenizer
         self.max_slots, self.max_len, self.max_queue = max_slots, max_len, max_queue
@@ -70,6 +66,8 @@ class LLM:
         self.logprobs_k = min(MAX_LOGPROBS, model.config.vocab_size)  # the step's top-k
         spec = None if speculative is None else SpeculativeConfig.parse(speculative, model,
                                                                          max_len)
+        if spec is not None and spec.draft is not None and row_tile is not None:
+            spec = dataclasses.replace(spec, draft=admission.row_tiled(spec.draft, row_tile))
         self._research = research.configure(model, processors=processors)
         admission.check_options(spec, self._research, mesh, step_hook)
         budget = constraints.CompileBudget(seconds=max_constraint_compile_s,
