@@ -8,11 +8,14 @@ scripted models of the tests.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import os
 import re
 from typing import Any, Optional, Protocol, Sequence, runtime_checkable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 Array = jax.Array
@@ -241,6 +244,84 @@ def hidden_state_point(layer: int, num_layers: int) -> str:
 # `dense`; `DecoderModel.row_tile`): jaxdecode.device.numerics picks XLA:CPU's product library by
 # whether a row's bits are the same at every place of a tile of this many rows.
 ROW_TILE = 4
+
+
+# XLA:CPU's Eigen products instead of jaxlib 0.10's default YNNPACK fusions: about twice as fast
+# for the decoder's small row tiles (docs/performance.md "YNNPACK products"), but under Eigen a
+# row's bits may depend on its place in the tile (on an AVX2 CPU: the last two places of 8 rows,
+# none of 4), so `compiler_options` asks for them only where `place_invariant` holds.
+EIGEN_PRODUCTS = {"xla_cpu_experimental_ynn_fusion_type": ""}
+# Environment switch: "auto" (the default: Eigen where the probe passes) or "ynnpack".
+PRODUCTS_ENV = "JAXDECODE_CPU_PRODUCTS"
+
+
+def place_invariant(options: dict, rows: int = ROW_TILE) -> bool:
+    """Whether products of `rows` x K rows compiled with `options` give every row the same bits
+    at every place in the tile, whatever the other rows hold (zeros or data), for float32 and
+    bfloat16, plain and transposed weights. A place dependence is a property of the row count and
+    the CPU's kernels, not of K or N (measured, docs/performance.md), so small shapes stand for
+    the model's. False when the backend rejects `options`."""
+    rng = np.random.default_rng(0)
+    for dtype in (jnp.float32, jnp.bfloat16):
+        for transpose in (False, True):
+            k, n = 96, 160
+            w = jnp.asarray(rng.standard_normal((n, k) if transpose else (k, n)), dtype)
+            dims = (((1,), (1 if transpose else 0,)), ((), ()))
+            x = jnp.asarray(rng.standard_normal((rows, k)), dtype)
+            try:
+                product = jax.jit(lambda a: jax.lax.dot_general(a, w, dims),
+                                  compiler_options=options)
+                full = np.asarray(product(x))
+                for place in range(rows):
+                    alone = jnp.zeros_like(x).at[place].set(x[0])
+                    moved = jnp.roll(x, place, axis=0)
+                    if not (np.array_equal(np.asarray(product(alone))[place], full[0])
+                            and np.array_equal(np.asarray(product(moved))[place], full[0])):
+                        return False
+            except Exception:  # noqa: BLE001 -- an option this XLA does not know
+                return False
+    return True
+
+
+@functools.cache
+def compiler_options() -> dict:
+    """Options of every program the decoder compiles, decided once per process at its first
+    compile: Eigen's products on XLA:CPU where they are place invariant at `ROW_TILE` rows (and
+    `JAXDECODE_CPU_PRODUCTS` is not "ynnpack"), else XLA's defaults."""
+    choice = os.environ.get(PRODUCTS_ENV, "auto")
+    if choice not in ("auto", "ynnpack"):
+        raise ValueError(f"{PRODUCTS_ENV}={choice!r}: expected 'auto' or 'ynnpack'")
+    if choice == "auto" and jax.default_backend() == "cpu" and place_invariant(EIGEN_PRODUCTS):
+        return EIGEN_PRODUCTS
+    return {}
+
+
+@functools.cache
+def stacked_tiles_agree(m: int, rows: int, k: int, n: int, dtype: str, weight_dtype: str,
+                        out_dtype: Optional[str], transpose: bool) -> bool:
+    """Whether one product of m = c x `rows` rows against a [K, N] weight ([N, K] with
+    `transpose`) gives every row the bits that the product of its own `rows`-row tile gives
+    it, under `compiler_options()`: then `dense` runs the c tiles as that one product (a row's
+    arithmetic is still its tile's, at GEMM speed). Probed once per shape with random data, on
+    XLA:CPU in a process of one device (a partitioned weight runs other products); elsewhere
+    False. Whether a GEMM's blocking moves with its row count depends on the CPU and on K and N
+    (docs/batch_invariance.md "Stacked tiles"), so every shape a program uses is probed. Runs
+    eagerly when called inside a trace."""
+    if m == rows:
+        return True
+    if jax.default_backend() != "cpu" or jax.device_count() != 1:
+        return False
+    with jax.ensure_compile_time_eval():
+        rng = np.random.default_rng(0)
+        w = jnp.asarray(rng.standard_normal((n, k) if transpose else (k, n)), weight_dtype)
+        x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+        dims = (((1,), (1 if transpose else 0,)), ((), ()))
+        product = jax.jit(lambda a, b: jax.lax.dot_general(a, b, dims,
+                                                           preferred_element_type=out_dtype),
+                          compiler_options=compiler_options())
+        whole = np.asarray(product(x, w))
+        tiles = [np.asarray(product(x[i:i + rows], w)) for i in range(0, m, rows)]
+        return bool(np.array_equal(whole, np.concatenate(tiles)))
 
 
 def fixed_sum(x: Array, axis: int = -1, keepdims: bool = False) -> Array:

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdecode.model_api import ROW_TILE, KVCache, fixed_sum
+from jaxdecode.model_api import ROW_TILE, KVCache, fixed_sum, stacked_tiles_agree
 from models import paged_attention
 
 Array = jax.Array
@@ -63,8 +63,9 @@ def _mean(x: Array) -> Array:
 class Tiles:
     """`dense`'s row tiling in the cached forward: products of max(size, T) token rows, run up
     to the tile holding the last of the first `rows` batch rows (int32, traced). Batch rows past
-    `rows` (padding rows of a chunk call, finished or empty slots at the end of a step) are not
-    computed: their outputs are zeros, which the callers drop."""
+    `rows` (padding rows of a chunk call, finished or empty slots at the end of a step) are
+    dropped by the callers: the tile loop does not compute them (zeros), a stacked product
+    does."""
 
     size: int
     rows: Array
@@ -81,11 +82,13 @@ def dense(x: Array, w: Array, tile: Optional[Tiles] = None, *, transpose: bool =
           out_dtype: Any = None) -> Array:
     """x [B, T, K] @ w [K, N] (w [N, K] with `transpose`) -> [B, T, N].
 
-    With `tile`, the token rows go through a loop of products of exactly max(tile.size, T) rows
-    (the last tile zero-padded), so each row's arithmetic is that one fixed-shape product's,
-    whatever B is; the loop stops after the tile holding batch row `tile.rows - 1` (later rows
-    are zeros). The trip count is hidden from XLA (an optimization barrier), so the loop is
-    never unrolled or inlined: every batch size and trip count runs the same loop body."""
+    With `tile`, each token row's arithmetic is that of one fixed-shape product of exactly
+    max(tile.size, T) rows (the last tile zero-padded), whatever B is. Where the CPU's GEMM
+    gives every row of the c tiles stacked into one product the bits of its own tile
+    (`model_api.stacked_tiles_agree`, probed per shape), that one product runs; else a loop of
+    tile products that stops after the tile holding batch row `tile.rows - 1` (later rows are
+    zeros). The loop's trip count is hidden from XLA (an optimization barrier), so it is never
+    unrolled or inlined: every batch size and trip count runs the same loop body."""
     contract = lambda a: (((a.ndim - 1,), (1 if transpose else 0,)), ((), ()))  # noqa: E731
     product = lambda a: jax.lax.dot_general(a, w, contract(a),  # noqa: E731
                                             preferred_element_type=out_dtype)
@@ -98,6 +101,10 @@ def dense(x: Array, w: Array, tile: Optional[Tiles] = None, *, transpose: bool =
     count = -(-m // rows)
     flat = jnp.pad(flat, ((0, count * rows - m), (0, 0)))
     n = w.shape[0] if transpose else w.shape[1]
+    if stacked_tiles_agree(count * rows, rows, k, n, jnp.dtype(x.dtype).name,
+                           jnp.dtype(w.dtype).name,
+                           None if out_dtype is None else jnp.dtype(out_dtype).name, transpose):
+        return product(flat)[:m].reshape(*lead, t, n)
     out = jnp.zeros((count * rows, n), jax.eval_shape(product, flat[:rows]).dtype)
 
     def body(i, out):

@@ -259,12 +259,14 @@ def test_invariance_engine_chunk_calls_bitwise_at_every_row_count(family, name, 
 
 
 @pytest.mark.parametrize("t,size", [(1, 4), (16, 4), (1, 16), (4, 16)])
-def test_invariance_dense_stops_after_the_last_live_row(t, size):
-    """`dense` runs its row tiles only up to the last batch row with tokens (padding rows of a
-    chunk call, finished slots at the end of a step): the rows before it keep the bits of the
-    full loop, the rows after it are zeros (not computed)."""
+def test_invariance_dense_stops_after_the_last_live_row(t, size, monkeypatch):
+    """Where its tiles do not stack (`stacked_tiles_agree` False), `dense` runs its row tiles
+    only up to the last batch row with tokens (padding rows of a chunk call, finished slots at
+    the end of a step): the rows before it keep the bits of the full loop, the rows after it
+    are zeros (not computed)."""
     from models import layers
 
+    monkeypatch.setattr(layers, "stacked_tiles_agree", lambda *shape: False)
     rng = np.random.default_rng(3)
     x = rng.standard_normal((16, t, 24)).astype(np.float32)
     w = rng.standard_normal((24, 40)).astype(np.float32)
@@ -282,6 +284,42 @@ def test_invariance_dense_stops_after_the_last_live_row(t, size):
         assert np.array_equal(out[:computed], full[:computed])
         assert not out[computed:].any(), f"rows after the tile of row {last - 1} ran"
     assert not np.asarray(run(x, np.zeros(16, np.int32))).any()
+
+
+@pytest.mark.parametrize("t,size", [(1, 4), (16, 4), (1, 16), (4, 16)])
+def test_invariance_X1_dense_stacks_tiles_only_where_every_row_keeps_its_tiles_bits(
+        t, size, monkeypatch):
+    """Where the probe finds that one product of the stacked tiles gives every row its own
+    tile's bits, `dense` runs that one product (no loop in the program) and every row equals
+    the tile loop's, bitwise; a product whose rows move with the row count fails the probe."""
+    import jax.numpy as jnp
+
+    from jaxdecode import model_api
+    from jaxdecode.device import numerics
+    from models import layers
+    from tests.test_row_tile import _product_rows
+
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((16, t, 32)).astype(np.float32)
+    w = rng.standard_normal((32, 64)).astype(np.float32)
+    m = -(-16 * t // max(size, t)) * max(size, t)
+    assert model_api.stacked_tiles_agree(m, max(size, t), 32, 64, "float32", "float32", None,
+                                         False), "this CPU's GEMM moves rows at this shape"
+    def dense():  # a new function each time: jax caches traces per function
+        return lambda x: layers.dense(x, w, layers.Tiles(size, jnp.int32(16)))
+
+    jaxpr = jax.make_jaxpr(dense())(x)
+    assert "while" not in str(jaxpr) and _product_rows(jaxpr.jaxpr) == {m}
+    stacked = np.asarray(numerics.jit(dense())(x))
+    monkeypatch.setattr(layers, "stacked_tiles_agree", lambda *shape: False)
+    assert "while" in str(jax.make_jaxpr(dense())(x))
+    assert np.array_equal(stacked, np.asarray(numerics.jit(dense())(x)))
+
+    plain = jax.lax.dot_general
+    monkeypatch.setattr(jax.lax, "dot_general", lambda a, b, dims, **kw: plain(a, b, dims, **kw)
+                        + jnp.arange(a.shape[0], dtype=a.dtype)[:, None] * 1e-3)
+    assert not model_api.stacked_tiles_agree.__wrapped__(
+        2 * max(size, t), max(size, t), 32, 64, "float32", "float32", None, False)
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2"])

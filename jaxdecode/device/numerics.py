@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdecode.model_api import ROW_TILE, fixed_sum
+from jaxdecode.model_api import (  # noqa: F401 -- the product library, re-exported
+    EIGEN_PRODUCTS, PRODUCTS_ENV, ROW_TILE, compiler_options, fixed_sum, place_invariant)
 
 Array = jax.Array
 
@@ -28,56 +29,6 @@ TESTED_BACKENDS = ("cpu",)
 # Rows of every decoding program: XLA simplifies a batch of one row (its unit dimensions)
 # into another program, whose fused multiply-adds differ; a lone request gets a done row.
 MIN_ROWS = 2
-# XLA:CPU's Eigen products instead of jaxlib 0.10's default YNNPACK fusions: about twice as fast
-# for the decoder's small row tiles (docs/performance.md "YNNPACK products"), but under Eigen a
-# row's bits may depend on its place in the tile (on an AVX2 CPU: the last two places of 8 rows,
-# none of 4), so `compiler_options` asks for them only where `place_invariant` holds.
-EIGEN_PRODUCTS = {"xla_cpu_experimental_ynn_fusion_type": ""}
-# Environment switch: "auto" (the default: Eigen where the probe passes) or "ynnpack".
-PRODUCTS_ENV = "JAXDECODE_CPU_PRODUCTS"
-
-
-def place_invariant(options: dict, rows: int = ROW_TILE) -> bool:
-    """Whether products of `rows` x K rows compiled with `options` give every row the same bits
-    at every place in the tile, whatever the other rows hold (zeros or data), for float32 and
-    bfloat16, plain and transposed weights. A place dependence is a property of the row count and
-    the CPU's kernels, not of K or N (measured, docs/performance.md), so small shapes stand for
-    the model's. False when the backend rejects `options`."""
-    rng = np.random.default_rng(0)
-    for dtype in (jnp.float32, jnp.bfloat16):
-        for transpose in (False, True):
-            k, n = 96, 160
-            w = jnp.asarray(rng.standard_normal((n, k) if transpose else (k, n)), dtype)
-            dims = (((1,), (1 if transpose else 0,)), ((), ()))
-            x = jnp.asarray(rng.standard_normal((rows, k)), dtype)
-            try:
-                product = jax.jit(lambda a: jax.lax.dot_general(a, w, dims),
-                                  compiler_options=options)
-                full = np.asarray(product(x))
-                for place in range(rows):
-                    alone = jnp.zeros_like(x).at[place].set(x[0])
-                    moved = jnp.roll(x, place, axis=0)
-                    if not (np.array_equal(np.asarray(product(alone))[place], full[0])
-                            and np.array_equal(np.asarray(product(moved))[place], full[0])):
-                        return False
-            except Exception:  # noqa: BLE001 -- an option this XLA does not know
-                return False
-    return True
-
-
-@functools.cache
-def compiler_options() -> dict:
-    """Options of every program the decoder compiles, decided once per process at its first
-    compile: Eigen's products on XLA:CPU where they are place invariant at `ROW_TILE` rows (and
-    `JAXDECODE_CPU_PRODUCTS` is not "ynnpack"), else XLA's defaults."""
-    choice = os.environ.get(PRODUCTS_ENV, "auto")
-    if choice not in ("auto", "ynnpack"):
-        raise ValueError(f"{PRODUCTS_ENV}={choice!r}: expected 'auto' or 'ynnpack'")
-    if choice == "auto" and jax.default_backend() == "cpu" and place_invariant(EIGEN_PRODUCTS):
-        return EIGEN_PRODUCTS
-    return {}
-
-
 @functools.cache
 def check_row_tile(rows: int) -> None:
     """A model's `row_tile` (rows per weight-product tile) must keep every row's bits the same at
