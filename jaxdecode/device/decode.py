@@ -490,11 +490,14 @@ def prepare(model: DecoderModel, params: Any, prompt_ids: Sequence[Sequence[int]
 
 def sample_keys(key_data: np.ndarray, n: int) -> np.ndarray:
     """Key data of the n samples of one request: sample 0 is the request's own key (so it is
-    the request with n = 1, alone or in any batch), sample i >= 1 uses fold_in(request key, i)."""
-    base = jax.random.wrap_key_data(jnp.asarray(key_data, jnp.uint32))
-    return np.stack([np.asarray(key_data, np.uint32)]
-                    + [np.asarray(jax.random.key_data(jax.random.fold_in(base, i)), np.uint32)
-                       for i in range(1, n)])
+    the request with n = 1, alone or in any batch), sample i >= 1 uses fold_in(request key, i).
+    n = 1 runs nothing on the device (every submit calls this)."""
+    own = np.asarray(key_data, np.uint32)
+    if n == 1:
+        return own[None]
+    base = jax.random.wrap_key_data(jnp.asarray(own))
+    return np.stack([own] + [np.asarray(jax.random.key_data(jax.random.fold_in(base, i)),
+                                        np.uint32) for i in range(1, n)])
 
 
 def expand_n(state: StepState, rows_sp: Sequence[SamplingParams], keys: np.ndarray,
