@@ -296,33 +296,39 @@ def compiler_options() -> dict:
     return {}
 
 
-@functools.cache
 def stacked_tiles_agree(m: int, rows: int, k: int, n: int, dtype: str, weight_dtype: str,
                         out_dtype: Optional[str], transpose: bool) -> bool:
     """Whether one product of m = c x `rows` rows against a [K, N] weight ([N, K] with
     `transpose`) gives every row the bits that the product of its own `rows`-row tile gives
     it, under `compiler_options()`: then `dense` runs the c tiles as that one product (a row's
-    arithmetic is still its tile's, at GEMM speed). Probed once per shape with random data, on
-    XLA:CPU in a process of one device (a partitioned weight runs other products); elsewhere
-    False. Whether a GEMM's blocking moves with its row count depends on the CPU and on K and N
-    (docs/batch_invariance.md "Stacked tiles"), so every shape a program uses is probed. Runs
-    eagerly when called inside a trace."""
+    arithmetic is still its tile's, at GEMM speed). Probed once per shape and product library
+    with random data, on XLA:CPU in a process of one device (a partitioned weight runs other
+    products); elsewhere False. Whether a GEMM's blocking moves with its row count depends on
+    the CPU and on K and N (docs/batch_invariance.md "Stacked tiles"), so every shape a program
+    uses is probed. Runs eagerly when called inside a trace."""
     if m == rows:
         return True
     if jax.default_backend() != "cpu" or jax.device_count() != 1:
         return False
     with jax.ensure_compile_time_eval():
-        rng = np.random.default_rng(0)
-        w = jnp.asarray(rng.standard_normal((n, k) if transpose else (k, n)), weight_dtype)
-        x = jnp.asarray(rng.standard_normal((m, k)), dtype)
-        dims = (((1,), (1 if transpose else 0,)), ((), ()))
-        product = jax.jit(lambda a, b: jax.lax.dot_general(a, b, dims,
-                                                           preferred_element_type=out_dtype),
-                          compiler_options=compiler_options())
-        whole = np.asarray(product(x, w))
-        tiles = [np.asarray(product(x[i:i + rows], w)) for i in range(0, m, rows)]
-        return bool(np.array_equal(whole, np.concatenate(tiles)))
+        options = tuple(sorted(compiler_options().items()))
+        return _stacked_probe(m, rows, k, n, dtype, weight_dtype, out_dtype, transpose, options)
 
+
+@functools.cache
+def _stacked_probe(m: int, rows: int, k: int, n: int, dtype: str, weight_dtype: str,
+                   out_dtype: Optional[str], transpose: bool, options: tuple) -> bool:
+    """`stacked_tiles_agree`'s probe under the compiler options `options` (sorted items)."""
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.standard_normal((n, k) if transpose else (k, n)), weight_dtype)
+    x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+    dims = (((1,), (1 if transpose else 0,)), ((), ()))
+    product = jax.jit(lambda a, b: jax.lax.dot_general(a, b, dims,
+                                                       preferred_element_type=out_dtype),
+                      compiler_options=dict(options))
+    whole = np.asarray(product(x, w))
+    tiles = [np.asarray(product(x[i:i + rows], w)) for i in range(0, m, rows)]
+    return bool(np.array_equal(whole, np.concatenate(tiles)))
 
 def fixed_sum(x: Array, axis: int = -1, keepdims: bool = False) -> Array:
     """Sum along `axis` in a fixed layout: a halving tree of elementwise adds over the axis
