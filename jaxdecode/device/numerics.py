@@ -12,12 +12,10 @@ blocks) is `models/layers.py`'s; `guarantee` states what a record can promise.
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxdecode.model_api import (  # noqa: F401 -- the product library, re-exported
     EIGEN_PRODUCTS, PRODUCTS_ENV, ROW_TILE, compiler_options, fixed_sum, place_invariant)
