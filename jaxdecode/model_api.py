@@ -264,23 +264,33 @@ def place_invariant(options: dict, rows: int = ROW_TILE) -> bool:
     rng = np.random.default_rng(0)
     for dtype in (jnp.float32, jnp.bfloat16):
         for transpose in (False, True):
-            k, n = 96, 160
-            w = jnp.asarray(rng.standard_normal((n, k) if transpose else (k, n)), dtype)
-            dims = (((1,), (1 if transpose else 0,)), ((), ()))
-            x = jnp.asarray(rng.standard_normal((rows, k)), dtype)
             try:
-                product = jax.jit(lambda a: jax.lax.dot_general(a, w, dims),
-                                  compiler_options=options)
-                full = np.asarray(product(x))
+                x, product = _probe_product(rng, rows, 96, 160, dtype, dtype, None, transpose,
+                                            options)
+                full = product(x)
                 for place in range(rows):
                     alone = jnp.zeros_like(x).at[place].set(x[0])
                     moved = jnp.roll(x, place, axis=0)
-                    if not (np.array_equal(np.asarray(product(alone))[place], full[0])
-                            and np.array_equal(np.asarray(product(moved))[place], full[0])):
+                    if not (np.array_equal(product(alone)[place], full[0])
+                            and np.array_equal(product(moved)[place], full[0])):
                         return False
             except Exception:  # noqa: BLE001 -- an option this XLA does not know
                 return False
     return True
+
+
+def _probe_product(rng: np.random.Generator, rows: int, k: int, n: int, dtype: Any,
+                   weight_dtype: Any, out_dtype: Any, transpose: bool, options: dict):
+    """The probes' setup: random rows x [rows, K] and `product(a) -> numpy`, a jitted product
+    of any rows against one random weight ([K, N], [N, K] with `transpose`; passed as an
+    argument, as a model's weights are) under the compiler `options`."""
+    w = jnp.asarray(rng.standard_normal((n, k) if transpose else (k, n)), weight_dtype)
+    x = jnp.asarray(rng.standard_normal((rows, k)), dtype)
+    dims = (((1,), (1 if transpose else 0,)), ((), ()))
+    jitted = jax.jit(lambda a, b: jax.lax.dot_general(a, b, dims,
+                                                      preferred_element_type=out_dtype),
+                     compiler_options=options)
+    return x, lambda a: np.asarray(jitted(a, w))
 
 
 @functools.cache
@@ -319,16 +329,10 @@ def stacked_tiles_agree(m: int, rows: int, k: int, n: int, dtype: str, weight_dt
 def _stacked_probe(m: int, rows: int, k: int, n: int, dtype: str, weight_dtype: str,
                    out_dtype: Optional[str], transpose: bool, options: tuple) -> bool:
     """`stacked_tiles_agree`'s probe under the compiler options `options` (sorted items)."""
-    rng = np.random.default_rng(0)
-    w = jnp.asarray(rng.standard_normal((n, k) if transpose else (k, n)), weight_dtype)
-    x = jnp.asarray(rng.standard_normal((m, k)), dtype)
-    dims = (((1,), (1 if transpose else 0,)), ((), ()))
-    product = jax.jit(lambda a, b: jax.lax.dot_general(a, b, dims,
-                                                       preferred_element_type=out_dtype),
-                      compiler_options=dict(options))
-    whole = np.asarray(product(x, w))
-    tiles = [np.asarray(product(x[i:i + rows], w)) for i in range(0, m, rows)]
-    return bool(np.array_equal(whole, np.concatenate(tiles)))
+    x, product = _probe_product(np.random.default_rng(0), m, k, n, dtype, weight_dtype, out_dtype,
+                                transpose, dict(options))
+    tiles = [product(x[i:i + rows]) for i in range(0, m, rows)]
+    return bool(np.array_equal(product(x), np.concatenate(tiles)))
 
 def fixed_sum(x: Array, axis: int = -1, keepdims: bool = False) -> Array:
     """Sum along `axis` in a fixed layout: a halving tree of elementwise adds over the axis

@@ -440,8 +440,8 @@ def test_invariance_products_probe_passes_at_the_row_tile_and_catches_a_place_de
     assert numerics.place_invariant({})             # and so is the fallback (YNNPACK)
     assert not numerics.place_invariant({"xla_no_such_option_jaxdecode": "1"})
     plain = jax.lax.dot_general
-    monkeypatch.setattr(jax.lax, "dot_general", lambda a, w, dims: plain(a, w, dims) + (
-        jax.numpy.arange(a.shape[0], dtype=a.dtype)[:, None] * 1e-2))
+    monkeypatch.setattr(jax.lax, "dot_general", lambda a, w, dims, **kw: plain(a, w, dims, **kw)
+                        + jax.numpy.arange(a.shape[0], dtype=a.dtype)[:, None] * 1e-2)
     assert not numerics.place_invariant({})
 
 
