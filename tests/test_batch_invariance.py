@@ -218,7 +218,8 @@ def test_invariance_engine_logits_bitwise_across_attention_buckets(kv_heads):
 def test_invariance_engine_chunk_calls_bitwise_at_every_row_count(family, name, row_tile):
     """The engine prefills the chunks of one iteration that share a program shape in one call
     (scheduler.chunks): every row's logits and KV pages are bitwise those of its chunk run
-    alone, whatever the call's row count (1 to 8, padded to a power of two) and the row's place
+    alone, whatever the call's row count (1 to 8, padded to `shapes.row_bucket`: 1, 2, 3, 4, 6,
+    8) and the row's place
     in it -- the prefix cache's exactness depends on it. Two chunks per prompt, so the second
     reads pages the first wrote."""
     model, params = family(name)
@@ -248,7 +249,7 @@ def test_invariance_engine_chunk_calls_bitwise_at_every_row_count(family, name, 
         return logits, np.asarray(state.cache.k)[:, :, 1:], np.asarray(state.cache.v)[:, :, 1:]
 
     alone = run([[[i] for i in range(8)]] * 2)
-    for rows in (2, 3, 4, 8):
+    for rows in (2, 3, 4, 5, 6, 8):
         order = [rng.permutation(8).tolist() for _ in range(2)]
         logits, k, v = run([[o[j:j + rows] for j in range(0, 8, rows)] for o in order])
         assert np.array_equal(k, alone[1]) and np.array_equal(v, alone[2]), (

@@ -173,6 +173,7 @@ def test_prefill_chunks_of_one_iteration_are_batched_by_program_shape():
     the row counts such a call can have (warm-up compiles each)."""
     from jaxdecode.engine.pages import PagePool
     from jaxdecode.engine.scheduler import Scheduler, chunk_rows
+    from jaxdecode.shapes import row_bucket
 
     s = Scheduler(8, 256, 8, PagePool(64, 16, False), 64, min_rows=2)
     a, b, c, d = (types.SimpleNamespace(prompt_ids=[5] * n, token_ids=[], prefilled=0)
@@ -192,8 +193,13 @@ def test_prefill_chunks_of_one_iteration_are_batched_by_program_shape():
     s.prefilling = [e, f]
     assert [shape(x) for x in s.chunks()] == [[(f, 0, 16, 15, 128, True)],
                                               [(e, 0, 32, 30, 128, True)]]
-    assert chunk_rows(16, 64, 8) == [1, 2, 4] and chunk_rows(64, 64, 8) == [1]
-    assert chunk_rows(16, 256, 3) == [1, 2, 4]
+    # row counts: powers of two and three quarters of them (shapes.row_bucket), at most one
+    # chunk per slot and `prefill_chunk` tokens
+    assert chunk_rows(16, 64, 8) == [1, 2, 3, 4] and chunk_rows(64, 64, 8) == [1]
+    assert chunk_rows(16, 256, 3) == [1, 2, 3]
+    assert chunk_rows(16, 256, 16) == [1, 2, 3, 4, 6, 8, 12, 16]
+    assert [row_bucket(n) for n in range(1, 18)] == [1, 2, 3, 4, 6, 6, 8, 8, 12, 12, 12, 12,
+                                                     16, 16, 16, 16, 24]
 
 
 def test_save_request_of_a_request_that_ends_first_names_it(tmp_path):

@@ -350,8 +350,8 @@ class PlainBackend(_Rows):
 
 def first_rows(n: int) -> int:
     """The rows of a `start` call for n new rows: a power of two, at least
-    numerics.MIN_ROWS (warm-up compiles each)."""
-    return max(row_bucket(n), numerics.MIN_ROWS)
+    numerics.MIN_ROWS (warm-up compiles each; a start call costs little per padding row)."""
+    return max(1 << max(0, n - 1).bit_length(), numerics.MIN_ROWS)
 
 
 @functools.lru_cache(maxsize=None)

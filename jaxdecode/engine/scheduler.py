@@ -42,7 +42,7 @@ import numpy as np
 
 from jaxdecode.engine.pages import NULL_PAGE, PagePool, page_keys
 from jaxdecode.engine.request import Request
-from jaxdecode.shapes import MIN_BUCKET, chunk_length, chunk_plan, kv_bucket, row_bucket
+from jaxdecode.shapes import MIN_BUCKET, chunk_length, chunk_plan, kv_bucket, row_buckets
 
 
 def compact_counts(min_rows: int, max_slots: int) -> list[int]:
@@ -54,8 +54,7 @@ def compact_counts(min_rows: int, max_slots: int) -> list[int]:
 def chunk_rows(t: int, prefill_chunk: int, max_slots: int) -> list[int]:
     """The row counts a prefill call of chunks of length T can run (shapes.row_bucket): one
     iteration's chunks hold at most `prefill_chunk` tokens and one chunk per slot."""
-    most = row_bucket(min(max_slots, max(1, prefill_chunk // t)))
-    return [1 << i for i in range(most.bit_length())]
+    return row_buckets(min(max_slots, max(1, prefill_chunk // t)))
 
 
 class QueueFull(RuntimeError):
