@@ -1,0 +1,30 @@
+# The issue #15 comparison after chunk-call row buckets of 1, 2, 3, 4, 6, 8, 12, 16 (2026-12-05, Intel
+# session): the same client,
+# checkpoint and settings as ../../cpu-intel-2026-12-04/vs-vllm/run.sh; jaxdecode at --row-tile 16 and at the default tile (4).
+# This run had uvloop and httptools installed in .venv (an experiment, not a dependency), so
+# uvicorn used them; no-uvloop/ repeats jaxdecode without them (same figures), before/ is the
+# commit before the row buckets in the same session.
+# Usage: VB=1 bash run.sh "vllm_run 1" "jd_run tile16-1 16" ...
+out=$(cd "$(dirname "$0")" && pwd); cd /work/main
+lscpu > $out/lscpu.txt
+git rev-parse HEAD > $out/commit.txt
+export JAX_COMPILATION_CACHE_DIR=/work/jaxcache
+bench() {  # name port (a first load test warms the server and is not counted)
+  JAX_PLATFORMS=cpu .venv/bin/python -m serving.loadtest --url http://127.0.0.1:$2 --served-model-name ckpt512 --requests 64 --concurrency 16 --max-tokens 64 --json $out/loadtest-$1-warm.json > $out/loadtest-$1-warm.log 2>&1
+  JAX_PLATFORMS=cpu .venv/bin/python -m serving.loadtest --url http://127.0.0.1:$2 --served-model-name ckpt512 --requests 64 --concurrency 16 --max-tokens 64 --json $out/loadtest-$1.json > $out/loadtest-$1.log 2>&1
+  if [ -n "$VB" ]; then VLLM_TARGET_DEVICE=cpu timeout 900 /work/vllm-venv/bin/vllm bench serve --backend openai --base-url http://127.0.0.1:$2 --model /work/ckpt512 --served-model-name ckpt512 --dataset-name random --random-input-len 128 --random-output-len 64 --num-prompts 64 --max-concurrency 16 --ignore-eos > $out/vllm-bench-$1.log 2>&1; fi
+}
+vllm_run() {
+  (VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE=4 timeout 1500 /work/vllm-venv/bin/vllm serve /work/ckpt512 --dtype float32 --max-num-seqs 16 --port 8123 --max-model-len 2048 --served-model-name ckpt512 > $out/vllm-serve-$1.log 2>&1 &)
+  for i in $(seq 200); do curl -s localhost:8123/v1/models >/dev/null && break; sleep 2; done
+  bench vllm-$1 8123
+  pkill -f "vllm serve"; pkill -f EngineCore; sleep 10
+}
+jd_run() {  # name row-tile
+  (JAX_PLATFORMS=cpu timeout 1800 .venv/bin/python -m jaxdecode.cli serve --model /work/ckpt512 --max-slots 16 --max-len 2048 --warmup 256 --row-tile $2 --port 8124 > $out/jd-serve-$1.log 2>&1 &)
+  for i in $(seq 900); do curl -s localhost:8124/v1/models >/dev/null && break; sleep 2; done
+  bench jaxdecode-$1 8124
+  pkill -f "jaxdecode.cli serve"; sleep 5
+}
+for step in "$@"; do eval "$step"; done
+echo DONE
