@@ -334,6 +334,7 @@ def _stacked_probe(m: int, rows: int, k: int, n: int, dtype: str, weight_dtype: 
     tiles = [product(x[i:i + rows]) for i in range(0, m, rows)]
     return bool(np.array_equal(product(x), np.concatenate(tiles)))
 
+
 def fixed_sum(x: Array, axis: int = -1, keepdims: bool = False) -> Array:
     """Sum along `axis` in a fixed layout: a halving tree of elementwise adds over the axis
     zero-padded to a power of two (element i pairs with i + n/2, then recursively).

@@ -9,9 +9,14 @@ MIN_BUCKET = 16
 KV_BUCKET_MIN = 128  # one attention key block (models.layers.ATTN_BLOCK)
 
 
+def power_of_two(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1)."""
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
 def bucket(n: int, cap: Optional[int] = None) -> int:
     """The static size used for a dynamic length n: the next power of two >= 16, capped."""
-    size = max(MIN_BUCKET, 1 << max(0, int(n) - 1).bit_length())
+    size = max(MIN_BUCKET, power_of_two(n))
     return min(size, cap) if cap is not None else size
 
 
@@ -21,7 +26,7 @@ def row_bucket(n: int) -> int:
     rows past n padding. Every padding row costs its weight products (stacked tiles), so the
     three-quarter steps bound the padding at a third of the call, where powers of two alone
     let it reach a half, for a few more programs (a call's row count moves no row's bits)."""
-    power = 1 << max(0, int(n) - 1).bit_length()
+    power = power_of_two(n)
     three_quarters = 3 * power // 4
     return three_quarters if power >= 4 and n <= three_quarters else power
 
@@ -36,7 +41,7 @@ def kv_bucket(longest: int, max_len: int) -> int:
     """The attention bucket covering `longest` positions: a power of two >= KV_BUCKET_MIN,
     capped at max_len -- few compiled variants, and short requests never pay for a long
     max_len."""
-    size = max(KV_BUCKET_MIN, 1 << max(0, int(longest) - 1).bit_length())
+    size = max(KV_BUCKET_MIN, power_of_two(longest))
     return min(size, max_len)
 
 

@@ -6,7 +6,8 @@ with its row count) and so does a reduction's. In the cached forward every weigh
 therefore has the arithmetic of fixed row tiles (`dense`, `CachedDecoder.row_tile` rows; the
 tiles of a batch run as one product where a probe finds that this keeps every row's bits),
 attention on fixed key blocks (`ATTN_BLOCK`) with per-(row, head, block) batched products
-(elementwise products for a few query rows), and every sum is `fixed_sum`: a row's logits are the same bits whatever batch, cache length or attention bucket it is in.
+(elementwise products for a few query rows), and every sum is `fixed_sum`: a row's logits are
+the same bits whatever batch, cache length or attention bucket it is in.
 """
 
 from __future__ import annotations

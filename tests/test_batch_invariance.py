@@ -215,13 +215,12 @@ def test_invariance_engine_logits_bitwise_across_attention_buckets(kv_heads):
 
 
 @pytest.mark.parametrize("name,row_tile", TILED)
-def test_invariance_engine_chunk_calls_bitwise_at_every_row_count(family, name, row_tile):
-    """The engine prefills the chunks of one iteration that share a program shape in one call
-    (scheduler.chunks): every row's logits and KV pages are bitwise those of its chunk run
-    alone, whatever the call's row count (1 to 8, padded to `shapes.row_bucket`: 1, 2, 3, 4, 6,
-    8) and the row's place
-    in it -- the prefix cache's exactness depends on it. Two chunks per prompt, so the second
-    reads pages the first wrote."""
+def test_invariance_X1_engine_chunk_calls_bitwise_at_every_row_count(family, name, row_tile):
+    """X1 in the engine's prefill: the chunks of one iteration that share a program shape run
+    in one call (scheduler.chunks), and every row's logits and KV pages are bitwise those of
+    its chunk run alone, whatever the call's row count (1 to 8, padded to `shapes.row_bucket`:
+    1, 2, 3, 4, 6, 8) and the row's place in it -- the prefix cache's exactness depends on it.
+    Two chunks per prompt, so the second reads pages the first wrote."""
     model, params = family(name)
     model = model.with_row_tile(row_tile)
     ctx = step_ops.Context(model, params, 8, 64, model.config.eos_token_ids)

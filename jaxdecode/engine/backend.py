@@ -47,7 +47,7 @@ from jaxdecode.device.speculative import RoundConfig, spec_round
 from jaxdecode.device.state import RowParams
 from jaxdecode.engine.speculative import COUNTERS, SpeculativeConfig
 from jaxdecode.model_api import DecoderModel, params_dtype
-from jaxdecode.shapes import row_bucket
+from jaxdecode.shapes import power_of_two, row_bucket
 
 
 @dataclasses.dataclass
@@ -351,7 +351,7 @@ class PlainBackend(_Rows):
 def first_rows(n: int) -> int:
     """The rows of a `start` call for n new rows: a power of two, at least
     numerics.MIN_ROWS (warm-up compiles each; a start call costs little per padding row)."""
-    return max(1 << max(0, n - 1).bit_length(), numerics.MIN_ROWS)
+    return max(power_of_two(n), numerics.MIN_ROWS)
 
 
 @functools.lru_cache(maxsize=None)
