@@ -8,14 +8,11 @@ scripted models of the tests.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import os
 import re
 from typing import Any, Optional, Protocol, Sequence, runtime_checkable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
 
 Array = jax.Array
@@ -203,13 +200,13 @@ class DecoderModel(Protocol):
     as without the keyword. The decoder reads captured values and applies interventions
     through this one function.
 
-    Batch invariance (docs/batch_invariance.md): a model whose `batch_invariant` attribute is
+    Batch invariance (docs/batch_invariance.md, X1): a model whose `batch_invariant` attribute is
     True promises that a row's logits are bitwise the same whatever the other rows are, however
     many there are, and whatever `kv_len` or cache length the call uses (for a fixed number T of
-    tokens per row). `models/` does it with fixed-shape row tiles, key blocks and `fixed_sum`.
-    Such a model may carry its tile as `row_tile` (rows per weight product; default `ROW_TILE`)
-    and `with_row_tile(n)` (the same model on n-row tiles: `LLM(row_tile=n)` calls it). The
-    promise holds for one tile: two tiles give a row different bits.
+    tokens per row). `models/` builds it from `jaxdecode.invariance`. Such a model may carry its
+    tile as `row_tile` (rows per weight product) with `with_row_tile(n)` (`LLM(row_tile=n)`
+    calls it; the promise holds for one tile), and its construction as `invariance` with
+    `with_invariance(mode)` (`batch_invariant=False` calls it with "none").
     """
 
     config: ModelConfig
@@ -238,123 +235,6 @@ def hidden_state_point(layer: int, num_layers: int) -> str:
         raise ValueError(f"return_hidden_states: layer {layer} is outside [0, {num_layers}] "
                          "(HF output_hidden_states indexing: 0 = embeddings, L = final norm)")
     return "embed" if layer == 0 else "final_norm" if layer == num_layers else f"resid.{layer - 1}"
-
-
-# Token rows per weight-product tile of a batch-invariant model by default (models/layers.py
-# `dense`; `DecoderModel.row_tile`): jaxdecode.device.numerics picks XLA:CPU's product library by
-# whether a row's bits are the same at every place of a tile of this many rows.
-ROW_TILE = 4
-
-
-# XLA:CPU's Eigen products instead of jaxlib 0.10's default YNNPACK fusions: about twice as fast
-# for the decoder's small row tiles (docs/performance.md "YNNPACK products"), but under Eigen a
-# row's bits may depend on its place in the tile (on an AVX2 CPU: the last two places of 8 rows,
-# none of 4), so `compiler_options` asks for them only where `place_invariant` holds.
-EIGEN_PRODUCTS = {"xla_cpu_experimental_ynn_fusion_type": ""}
-# Environment switch: "auto" (the default: Eigen where the probe passes) or "ynnpack".
-PRODUCTS_ENV = "JAXDECODE_CPU_PRODUCTS"
-
-
-def place_invariant(options: dict, rows: int = ROW_TILE) -> bool:
-    """Whether products of `rows` x K rows compiled with `options` give every row the same bits
-    at every place in the tile, whatever the other rows hold (zeros or data), for float32 and
-    bfloat16, plain and transposed weights. A place dependence is a property of the row count and
-    the CPU's kernels, not of K or N (measured, docs/performance.md), so small shapes stand for
-    the model's. False when the backend rejects `options`."""
-    rng = np.random.default_rng(0)
-    for dtype in (jnp.float32, jnp.bfloat16):
-        for transpose in (False, True):
-            try:
-                x, product = _probe_product(rng, rows, 96, 160, dtype, dtype, None, transpose,
-                                            options)
-                full = product(x)
-                for place in range(rows):
-                    alone = jnp.zeros_like(x).at[place].set(x[0])
-                    moved = jnp.roll(x, place, axis=0)
-                    if not (np.array_equal(product(alone)[place], full[0])
-                            and np.array_equal(product(moved)[place], full[0])):
-                        return False
-            except Exception:  # noqa: BLE001 -- an option this XLA does not know
-                return False
-    return True
-
-
-def _probe_product(rng: np.random.Generator, rows: int, k: int, n: int, dtype: Any,
-                   weight_dtype: Any, out_dtype: Any, transpose: bool, options: dict):
-    """The probes' setup: random rows x [rows, K] and `product(a) -> numpy`, a jitted product
-    of any rows against one random weight ([K, N], [N, K] with `transpose`; passed as an
-    argument, as a model's weights are) under the compiler `options`."""
-    w = jnp.asarray(rng.standard_normal((n, k) if transpose else (k, n)), weight_dtype)
-    x = jnp.asarray(rng.standard_normal((rows, k)), dtype)
-    dims = (((1,), (1 if transpose else 0,)), ((), ()))
-    jitted = jax.jit(lambda a, b: jax.lax.dot_general(a, b, dims,
-                                                      preferred_element_type=out_dtype),
-                     compiler_options=options)
-    return x, lambda a: np.asarray(jitted(a, w))
-
-
-@functools.cache
-def compiler_options() -> dict:
-    """Options of every program the decoder compiles, decided once per process at its first
-    compile: Eigen's products on XLA:CPU where they are place invariant at `ROW_TILE` rows (and
-    `JAXDECODE_CPU_PRODUCTS` is not "ynnpack"), else XLA's defaults."""
-    choice = os.environ.get(PRODUCTS_ENV, "auto")
-    if choice not in ("auto", "ynnpack"):
-        raise ValueError(f"{PRODUCTS_ENV}={choice!r}: expected 'auto' or 'ynnpack'")
-    if choice == "auto" and jax.default_backend() == "cpu" and place_invariant(EIGEN_PRODUCTS):
-        return EIGEN_PRODUCTS
-    return {}
-
-
-def stacked_tiles_agree(m: int, rows: int, k: int, n: int, dtype: str, weight_dtype: str,
-                        out_dtype: Optional[str], transpose: bool) -> bool:
-    """Whether one product of m = c x `rows` rows against a [K, N] weight ([N, K] with
-    `transpose`) gives every row the bits that the product of its own `rows`-row tile gives
-    it, under `compiler_options()`: then `dense` runs the c tiles as that one product (a row's
-    arithmetic is still its tile's, at GEMM speed). Probed once per shape and product library
-    with random data, on XLA:CPU in a process of one device (a partitioned weight runs other
-    products); elsewhere False. Whether a GEMM's blocking moves with its row count depends on
-    the CPU and on K and N (docs/batch_invariance.md "Stacked tiles"), so every shape a program
-    uses is probed. Runs eagerly when called inside a trace."""
-    if m == rows:
-        return True
-    if jax.default_backend() != "cpu" or jax.device_count() != 1:
-        return False
-    with jax.ensure_compile_time_eval():
-        options = tuple(sorted(compiler_options().items()))
-        return _stacked_probe(m, rows, k, n, dtype, weight_dtype, out_dtype, transpose, options)
-
-
-@functools.cache
-def _stacked_probe(m: int, rows: int, k: int, n: int, dtype: str, weight_dtype: str,
-                   out_dtype: Optional[str], transpose: bool, options: tuple) -> bool:
-    """`stacked_tiles_agree`'s probe under the compiler options `options` (sorted items)."""
-    x, product = _probe_product(np.random.default_rng(0), m, k, n, dtype, weight_dtype, out_dtype,
-                                transpose, dict(options))
-    tiles = [product(x[i:i + rows]) for i in range(0, m, rows)]
-    return bool(np.array_equal(product(x), np.concatenate(tiles)))
-
-
-def fixed_sum(x: Array, axis: int = -1, keepdims: bool = False) -> Array:
-    """Sum along `axis` in a fixed layout: a halving tree of elementwise adds over the axis
-    zero-padded to a power of two (element i pairs with i + n/2, then recursively).
-
-    XLA picks the order of its own reductions from the whole shape (on XLA:CPU a row's sum
-    changes with the number of rows), while elementwise adds are never reordered, so this sum
-    of a row depends on that row alone. Trailing zeros change nothing (x + 0 == x), so a row
-    padded to a longer axis sums to the same bits -- attention over a longer cache included."""
-    axis = axis % x.ndim
-    n = x.shape[axis]
-    size = 1 << max(0, n - 1).bit_length()
-    if size != n:
-        pad = [(0, 0)] * x.ndim
-        pad[axis] = (0, size - n)
-        x = jnp.pad(x, pad)
-    while size > 1:
-        size //= 2
-        x = (jax.lax.slice_in_dim(x, 0, size, axis=axis)
-             + jax.lax.slice_in_dim(x, size, 2 * size, axis=axis))
-    return x if keepdims else jnp.squeeze(x, axis)
 
 
 # -- sharding -----------------------------------------------------------------------------------

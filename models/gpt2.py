@@ -101,7 +101,7 @@ class GPT2(L.CachedDecoder):
         if hook is not None:  # hook points (model_api.hook_points)
             x = hook("embed", x)
         for i, p in enumerate(params["layers"]):
-            h = L.layer_norm(x, p["attn_norm"], p["attn_norm_bias"], eps)
+            h = L.layer_norm(x, p["attn_norm"], p["attn_norm_bias"], eps, tile)
             q, k, v = ((L.dense(h, p[name], tile) + p[name + "_bias"]).reshape(b, t, heads,
                                                                                c.head_dim)
                        for name, heads in (("q", c.num_heads), ("k", c.num_kv_heads),
@@ -111,12 +111,12 @@ class GPT2(L.CachedDecoder):
                 scale /= float(i + 1)
             attn = attend(i, q, k, v, None, scale)
             x = x + L.dense(attn.reshape(b, t, -1), p["o"], tile) + p["o_bias"]
-            h = L.layer_norm(x, p["mlp_norm"], p["mlp_norm_bias"], eps)
+            h = L.layer_norm(x, p["mlp_norm"], p["mlp_norm_bias"], eps, tile)
             x = x + L.dense(act(L.dense(h, p["fc"], tile) + p["fc_bias"]), p["proj"],
                             tile) + p["proj_bias"]
             if hook is not None:
                 x = hook(f"resid.{i}", x)
-        x = L.layer_norm(x, params["final_norm"], params["final_norm_bias"], eps)
+        x = L.layer_norm(x, params["final_norm"], params["final_norm_bias"], eps, tile)
         if hook is not None:
             x = hook("final_norm", x)
         return x

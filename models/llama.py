@@ -88,7 +88,7 @@ class Llama(L.CachedDecoder):
         if hook is not None:  # hook points (model_api.hook_points)
             x = hook("embed", x)
         for i, p in enumerate(params["layers"]):
-            h = L.rms_norm(x, p["attn_norm"], c.rms_norm_eps)
+            h = L.rms_norm(x, p["attn_norm"], c.rms_norm_eps, tile)
             q, k, v = (L.dense(h, p[name], tile) for name in ("q", "k", "v"))
             if c.attention_bias:
                 q, k, v = q + p["q_bias"], k + p["k_bias"], v + p["v_bias"]
@@ -97,12 +97,12 @@ class Llama(L.CachedDecoder):
             v = v.reshape(b, t, c.num_kv_heads, c.head_dim)
             attn = attend(i, q, k, v, c.sliding_window)
             x = x + L.dense(attn.reshape(b, t, -1), p["o"], tile)
-            h = L.rms_norm(x, p["mlp_norm"], c.rms_norm_eps)
+            h = L.rms_norm(x, p["mlp_norm"], c.rms_norm_eps, tile)
             mlp = jax.nn.silu(L.dense(h, p["gate"], tile)) * L.dense(h, p["up"], tile)
             x = x + L.dense(mlp, p["down"], tile)
             if hook is not None:
                 x = hook(f"resid.{i}", x)
-        x = L.rms_norm(x, params["final_norm"], c.rms_norm_eps)
+        x = L.rms_norm(x, params["final_norm"], c.rms_norm_eps, tile)
         if hook is not None:
             x = hook("final_norm", x)
         return x

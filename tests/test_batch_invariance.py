@@ -264,9 +264,10 @@ def test_invariance_dense_stops_after_the_last_live_row(t, size, monkeypatch):
     only up to the last batch row with tokens (padding rows of a chunk call, finished slots at
     the end of a step): the rows before it keep the bits of the full loop, the rows after it
     are zeros (not computed)."""
+    from jaxdecode import invariance
     from models import layers
 
-    monkeypatch.setattr(layers, "stacked_tiles_agree", lambda *shape: False)
+    monkeypatch.setattr(invariance, "stacked_tiles_agree", lambda *shape: False)
     rng = np.random.default_rng(3)
     x = rng.standard_normal((16, t, 24)).astype(np.float32)
     w = rng.standard_normal((24, 40)).astype(np.float32)
@@ -294,7 +295,7 @@ def test_invariance_X1_dense_stacks_tiles_only_where_every_row_keeps_its_tiles_b
     the tile loop's, bitwise; a product whose rows move with the row count fails the probe."""
     import jax.numpy as jnp
 
-    from jaxdecode import model_api
+    from jaxdecode import invariance
     from jaxdecode.device import numerics
     from models import layers
     from tests.test_row_tile import _product_rows
@@ -303,15 +304,16 @@ def test_invariance_X1_dense_stacks_tiles_only_where_every_row_keeps_its_tiles_b
     x = rng.standard_normal((16, t, 32)).astype(np.float32)
     w = rng.standard_normal((32, 64)).astype(np.float32)
     m = -(-16 * t // max(size, t)) * max(size, t)
-    assert model_api.stacked_tiles_agree(m, max(size, t), 32, 64, "float32", "float32", None,
-                                         False), "this CPU's GEMM moves rows at this shape"
+    shape = (m, max(size, t), 32, 64, "float32", "float32", None, False)
+    invariance.run_probes([shape + (tuple(sorted(numerics.compiler_options().items())),)])
+    assert invariance.stacked_tiles_agree(*shape), "this CPU's GEMM moves rows at this shape"
     def dense():  # a new function each time: jax caches traces per function
         return lambda x: layers.dense(x, w, layers.Tiles(size, jnp.int32(16)))
 
     jaxpr = jax.make_jaxpr(dense())(x)
     assert "while" not in str(jaxpr) and _product_rows(jaxpr.jaxpr) == {m}
     stacked = np.asarray(numerics.jit(dense())(x))
-    monkeypatch.setattr(layers, "stacked_tiles_agree", lambda *shape: False)
+    monkeypatch.setattr(invariance, "stacked_tiles_agree", lambda *shape: False)
     assert "while" in str(jax.make_jaxpr(dense())(x))
     assert np.array_equal(stacked, np.asarray(numerics.jit(dense())(x)))
 
@@ -319,7 +321,7 @@ def test_invariance_X1_dense_stacks_tiles_only_where_every_row_keeps_its_tiles_b
     monkeypatch.setattr(jax.lax, "dot_general", lambda a, b, dims, **kw: plain(a, b, dims, **kw)
                         + jnp.arange(a.shape[0], dtype=a.dtype)[:, None] * 1e-3)
     options = tuple(sorted(numerics.compiler_options().items()))
-    assert not model_api._stacked_probe.__wrapped__(
+    assert not invariance._stacked_probe(
         2 * max(size, t), max(size, t), 32, 64, "float32", "float32", None, False, options)
 
 
@@ -434,7 +436,7 @@ def test_invariance_http_alone_equals_n3_choice_0(demo_llm):
 def test_invariance_products_probe_passes_at_the_row_tile_and_catches_a_place_dependence(monkeypatch):
     """X1: the decoder's programs use Eigen's products only where `place_invariant` holds at
     ROW_TILE rows; the probe itself must see a row whose bits move with its place."""
-    from jaxdecode.device import numerics
+    from jaxdecode import invariance as numerics
     options = numerics.compiler_options()
     assert numerics.place_invariant(options)        # the library in use is place invariant
     assert numerics.place_invariant({})             # and so is the fallback (YNNPACK)
@@ -446,7 +448,7 @@ def test_invariance_products_probe_passes_at_the_row_tile_and_catches_a_place_de
 
 
 def test_products_env_switch_names_the_variable(monkeypatch):
-    from jaxdecode.device import numerics
+    from jaxdecode import invariance as numerics
     numerics.compiler_options.cache_clear()
     try:
         monkeypatch.setenv(numerics.PRODUCTS_ENV, "ynnpack")

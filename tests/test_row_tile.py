@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import pytest
 
 import jaxdecode as jd
+from jaxdecode import invariance
 import models
-from jaxdecode.device import numerics
 from jaxdecode.engine import admission
 
 FIB = "def fibonacci(n):"
@@ -108,14 +108,14 @@ def test_row_tile_bad_values_and_models_name_the_field(demo):
 def test_row_tile_the_products_must_be_place_invariant_at_the_tile(monkeypatch):
     """X1: a tile at which this CPU's products give a row different bits at different places is
     refused (the default tile decided the product library; another one is probed)."""
-    numerics.check_row_tile.cache_clear()
-    monkeypatch.setattr(numerics, "place_invariant", lambda options, rows=4: rows != 12)
+    invariance.check_row_tile.cache_clear()
+    monkeypatch.setattr(invariance, "place_invariant", lambda options, rows=4: rows != 12)
     try:
-        numerics.check_row_tile(8)
+        invariance.check_row_tile(8)
         with pytest.raises(ValueError, match="row_tile: .* 12-row tile"):
-            numerics.check_row_tile(12)
+            invariance.check_row_tile(12)
     finally:
-        numerics.check_row_tile.cache_clear()
+        invariance.check_row_tile.cache_clear()
 
 
 def test_row_tile_serve_flag_is_checked_and_named():

@@ -32,6 +32,7 @@ import itertools
 import os
 from typing import Any, Callable, Optional, Sequence, Union
 
+from jaxdecode import invariance
 from jaxdecode.config import SamplingParams
 from jaxdecode.device import constraints, decode, numerics
 from jaxdecode.device.state import seed_key_data
@@ -96,17 +97,11 @@ def _integer(name: str, value: Any, low: int = 1, high: Optional[int] = None) ->
         raise ValueError(f"{name}: must be {bound}, got {value!r}")
 
 
-def row_tiled(model: Any, row_tile: Optional[int]) -> Any:
-    """`model` on `row_tile`-row weight-product tiles (None: its own tile), checked against this
-    process's products (`numerics.check_row_tile`; ValueError naming `row_tile`)."""
-    if row_tile is not None:
-        if not hasattr(model, "with_row_tile"):
-            raise ValueError(f"row_tile: {type(model).__name__} has no row tiles "
-                             "(no `with_row_tile`, jaxdecode.model_api.DecoderModel)")
-        model = model.with_row_tile(row_tile)
-    if getattr(model, "batch_invariant", False) and hasattr(model, "row_tile"):
-        numerics.check_row_tile(model.row_tile)
-    return model
+def row_tiled(model: Any, row_tile: Optional[int],
+              batch_invariant: Optional[bool] = None) -> Any:
+    """`model` on `row_tile`-row weight-product tiles (None: its own tile), without invariance
+    where `batch_invariant` is False (`invariance.configure`; ValueError naming the field)."""
+    return invariance.configure(model, batch_invariant, row_tile)
 
 
 def check_sizes(max_slots: int, max_len: int, max_queue: int, model_max_len: int) -> None:
