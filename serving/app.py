@@ -9,8 +9,9 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/model
 
 Requests: see `serving.protocol` for the fields, defaults, the OpenAI error body and the finish
 reason mapping; `serving.chat` for chat templates. A request with ``n`` > 1 is submitted as n
-engine requests (ids ``<id>-<i>``), choice i sampling with ``seed + i`` when a seed is given;
-with ``num_beams`` > 1 the n choices are the n best beams of one search (`LLM.submit_beams`).
+engine requests (ids ``<id>-<i>``) by `LLM.submit_n`, as `LLM.generate` expands n: choice 0 is
+the request alone, choice i >= 1 samples with ``fold_in(key(seed), i)`` and shares choice 0's
+prompt pages; with ``num_beams`` > 1 the n choices are the n best beams of one search.
 ``logprobs`` / ``top_logprobs`` are answered in OpenAI's formats (`serving.protocol`), also in
 every streaming chunk that carries tokens; ``echo``, ``best_of`` != n, ``suffix`` and ``tools``
 get a 400 "not supported" instead of a silent no-op; ``response_format`` goes to the engine, which
@@ -82,7 +83,7 @@ from serving import chat as chat_mod
 from serving.logs import log_event
 from serving.metrics import Metrics
 from serving.protocol import (ApiError, ChatCompletionRequest, CompletionRequest, bad_request,
-                              check_unsupported, choice_seed, error_from_value_error,
+                              check_unsupported, error_from_value_error,
                               format_logprobs, max_tokens_field, openai_finish_reason,
                               parse_request, sampling_params, top_logprobs_count)
 from serving.streams import ResponseLog, StreamRegistry
@@ -373,22 +374,9 @@ class Server:
                                          f"{len(prompt)} prompts was given)")
                     prompt = prompt[0]
                 ids = encode(llm.tokenizer, prompt) if isinstance(prompt, str) else list(prompt)
-            handles = []
-            try:
-                if sp.num_beams > 1:  # one search, its n best beams as the n choices
-                    handles = llm.submit_beams(ids, dataclasses.replace(sp, n=n),
-                                               request_id=request_id, cancelled=cancelled)
-                else:
-                    for i in range(n):
-                        sp_i = sp if n == 1 else dataclasses.replace(
-                            sp, seed=choice_seed(sp.seed, i))
-                        rid = request_id if n == 1 else f"{request_id}-{i}"
-                        handles.append(llm.submit(ids, sp_i, request_id=rid,
-                                                  cancelled=cancelled))
-            except BaseException:
-                for h in handles:
-                    h.cancel()
-                raise
+            # n expanded by the engine (jaxdecode/engine/samples.py), as LLM.generate does
+            handles = llm.submit_n(ids, dataclasses.replace(sp, n=n), request_id=request_id,
+                                   cancelled=cancelled)
         except ValueError as exc:
             raise error_from_value_error(exc, chat=chat, max_tokens_name=mt_name) from None
         except QueueFull as exc:

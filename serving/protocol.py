@@ -353,13 +353,6 @@ def sampling_params(req: _Common, *, chat: bool, stream: bool, default_max_token
         raise error_from_value_error(exc, chat=chat, max_tokens_name=mt_name) from None
 
 
-def choice_seed(seed: Optional[int], index: int) -> Optional[int]:
-    """Choice i of a request with `seed` samples with seed + i (mod 2**63); None stays random."""
-    if seed is None:
-        return None
-    return (seed + index) % (1 << 63)
-
-
 def _lp(value: float) -> float:
     return value if value >= MIN_LOGPROB else MIN_LOGPROB  # -inf and NaN too
 

@@ -602,7 +602,7 @@ def test_finish_reasons_map_to_openai_with_the_exact_reason_kept(client):
     assert listed["text"] == expected(2, 3)
 
 
-def test_n_choices_get_indices_and_seed_plus_i(client, server):
+def test_n_choices_get_indices_and_the_library_seed_rule(client, server):
     r = client.post("/v1/chat/completions", json={"model": MODEL, "messages": MSG, "n": 3,
                                                   "max_tokens": 4, "seed": 11})
     body = r.json()
@@ -620,7 +620,8 @@ def test_n_choices_get_indices_and_seed_plus_i(client, server):
         assert "".join(c["text"] for c in mine) == expected(2, 5)
         assert mine[-1]["finish_reason"] == "length"
     log = server.app.state.server.registry.get(resp.headers["x-request-id"])
-    assert [h.sampling.seed for h in log.handles] == [7, 8]
+    assert [h.sampling.seed for h in log.handles] == [7, 7]  # one seed, fold_in(key, i)
+    assert [h._request.index for h in log.handles] == [0, 1]
     assert [h.request_id for h in log.handles] == [f"{log.request_id}-0", f"{log.request_id}-1"]
 
 
@@ -715,6 +716,39 @@ def test_hf_checkpoint_dir_with_its_chat_template_in_process(tiny_hf_checkpoint)
     assert body["usage"]["prompt_tokens"] == len(prompt)
     assert body["choices"][0]["message"]["content"] == want.text
     assert body["usage"]["completion_tokens"] == want.usage.selected_tokens
+
+
+def test_http_n_equals_library_n_and_prefills_the_prompt_once():
+    """HTTP `n` is LLM.generate's n (engine/samples.py): the same seed gives the same four
+    completions (sample 0 the request alone, sample i fold_in(key, i)), and the four choices
+    share one prefill of the prompt (one prefix-cache lookup of its tokens, not four)."""
+    import asyncio
+
+    from tests.scripted import ScriptedModel
+
+    model = ScriptedModel.make(SCRIPT, vocab_size=257, max_len=64, peak=1.0)  # near uniform
+    bias = {str(i): -100.0 for i in range(128, 257)}  # ASCII only: texts compare exactly
+    body = {"model": MODEL, "prompt": "Hello", "n": 4, "max_tokens": 6, "seed": 5,
+            "temperature": 1.0, "logit_bias": bias}
+    with jd.LLM(model, {}, byte_tokenizer(), max_slots=4, max_len=64, page_size=4) as engine:
+        app = create_app(engine, model_name=MODEL)
+
+        async def go():
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+                before = engine.kv_stats()["prefix_cache_queries"]
+                r = await c.post("/v1/completions", json=body)
+                return r, engine.kv_stats()["prefix_cache_queries"] - before
+
+        r, queried = asyncio.run(go())
+        want = engine.generate("Hello", jd.SamplingParams(
+            n=4, max_tokens=6, seed=5, temperature=1.0,
+            logit_bias={int(k): v for k, v in bias.items()}))
+    assert r.status_code == 200, r.text
+    texts = [c["text"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
+    assert texts == [w.text for w in want]
+    assert len(set(texts)) > 1  # the samples differ: the seed rule is what is compared
+    assert queried == len("Hello")  # the prompt looked up (and prefilled) once for n = 4
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck))

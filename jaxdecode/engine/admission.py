@@ -183,7 +183,7 @@ def ending_tokens(model: Any, tokenizer: Any, eos_token_ids: Optional[Sequence[i
 
 
 def link_samples(requests: list) -> None:
-    """`LLM.generate`: sample i >= 1 of a sampled prompt shares sample 0's prompt pages."""
+    """Sample i >= 1 of a sampled prompt shares sample 0's prompt pages (engine/samples.py)."""
     first: dict = {}
     for r in requests:
         if not r.is_beam:
@@ -241,15 +241,22 @@ class Admission:
                              f"{self.limits.max_len}")
         return ids
 
+    @staticmethod
+    def seed_of(sp: SamplingParams) -> int:
+        """The request's seed: its own, else a random one."""
+        return sp.seed if sp.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+
     def new_id(self) -> str:
         return f"req-{next(self._ids)}"
 
     def request(self, prompt: Prompt, params: Optional[SamplingParams],
                 request_id: Optional[str] = None, prompt_index: int = 0, index: int = 0,
                 output_kind: Optional[str] = None,
-                cancelled: Optional[Callable[[], bool]] = None) -> Request:
+                cancelled: Optional[Callable[[], bool]] = None,
+                seed: Optional[int] = None) -> Request:
         """Every check a request gets, before it is queued: SamplingParams' own, the
-        vocabulary, the engine limits (`check`), the constraint compile (within its budget)."""
+        vocabulary, the engine limits (`check`), the constraint compile (within its budget).
+        `seed`: the n samples' one seed (engine/samples.py), by default `seed_of(params)`."""
         sp = params if params is not None else SamplingParams()
         if not isinstance(sp, SamplingParams):
             raise ValueError(f"params: expected SamplingParams, got {type(sp).__name__}")
@@ -269,7 +276,7 @@ class Admission:
                                           exclude_ids=ending)
             grammar = constraints.compile_format(sp.response_format, vocab, budget=self.budget,
                                                  cancelled=cancelled)
-        seed = sp.seed if sp.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+        seed = self.seed_of(sp) if seed is None else seed
         key = decode.sample_keys(seed_key_data(seed), sp.n)[index]  # as jd.generate does
         return Request(request_id or self.new_id(), prompt_ids, sp, tokenizer=self.tokenizer,
                        prompt_text=prompt if isinstance(prompt, str) else None, seed=seed,

@@ -67,7 +67,7 @@ logger = logging.getLogger(__name__)
 
 
 def link_rows(requests: list) -> None:
-    """`LLM.generate`: the n requests of each beam prompt share one beam-search row."""
+    """The n requests of each beam prompt share one beam-search row (engine/samples.py)."""
     rows: dict = {}
     for r in requests:
         if r.is_beam:

@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 from jaxdecode import replay as replay_lib
 from jaxdecode.config import MAX_LOGPROBS, SamplingParams
 from jaxdecode.device import constraints, research
-from jaxdecode.engine import admission, beam_lane, records, step_ops
+from jaxdecode.engine import admission, records, samples, step_ops
 from jaxdecode.engine.core import EngineCore
 from jaxdecode.engine.request import Request, RequestHandle
 from jaxdecode.engine.scheduler import EngineClosed, QueueFull
@@ -118,6 +118,21 @@ class LLM:
         self._enqueue([r], block)
         return self._handle(r)
 
+    def submit_n(self, prompt: Prompt, params: SamplingParams, *,
+                 request_id: Optional[str] = None, block: bool = False,
+                 cancelled: Optional[Callable[[], bool]] = None) -> list:
+        """Queue a prompt's n samples (or, with num_beams > 1, its n best beams) as n handles,
+        expanded as `generate` expands them (engine/samples.py: one seed, sample 0 the request
+        alone, samples sharing the prompt's pages), ids `<request_id>-<j>` when n > 1; all or
+        none is queued. Raises like `submit`. The HTTP server's `n` (serving/app.py)."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params: expected SamplingParams, got {type(params).__name__}")
+        reqs = samples.expand(self._admission, prompt, params,
+                              request_id=request_id or self._admission.new_id(),
+                              cancelled=cancelled)
+        self._enqueue(reqs, block)
+        return [self._handle(r) for r in reqs]
+
     def submit_beams(self, prompt: Prompt, params: SamplingParams, *,
                      request_id: Optional[str] = None, block: bool = False,
                      cancelled: Optional[Callable[[], bool]] = None) -> list:
@@ -126,13 +141,8 @@ class LLM:
         Raises like `submit`."""
         if not isinstance(params, SamplingParams) or params.num_beams == 1:
             raise ValueError("num_beams: submit_beams() takes SamplingParams with num_beams > 1")
-        rid = request_id or self._admission.new_id()
-        reqs = [self._admission.request(prompt, params, rid if params.n == 1 else f"{rid}-{j}",
-                                        index=j, output_kind=params.output_kind,
-                                        cancelled=cancelled) for j in range(params.n)]
-        beam_lane.link_rows(reqs)
-        self._enqueue(reqs, block)
-        return [self._handle(r) for r in reqs]
+        return self.submit_n(prompt, params, request_id=request_id, block=block,
+                             cancelled=cancelled)
 
     def stream(self, prompt: Prompt, params: Optional[SamplingParams] = None,
                timeout: Optional[float] = None) -> Iterator:
@@ -151,11 +161,10 @@ class LLM:
         adjacent (`Completion.prompt_index`, `Completion.index`); with num_beams > 1 the n
         samples are the prompt's n best beams, by rank."""
         prompts = token_rows(prompts, "prompt", text=True)
-        reqs = [self._admission.request(p, sp, prompt_index=i, index=j, output_kind="final_only")
-                for i, (p, sp) in enumerate(zip(prompts, admission.per_prompt(params, prompts)))
-                for j in range(sp.n)]
-        beam_lane.link_rows(reqs)  # a beam prompt's n requests are its n best beams
-        admission.link_samples(reqs)  # a sampled prompt's n requests share its prompt pages
+        settings = admission.per_prompt(params, prompts)
+        reqs = [r for i, (p, sp) in enumerate(zip(prompts, settings))
+                for r in samples.expand(self._admission, p, sp, prompt_index=i,
+                                        output_kind="final_only")]  # samples.py: n expanded
         self._enqueue(reqs, block=True)  # validated all before queueing any
         handles = [self._handle(r) for r in reqs]
         if not use_tqdm:

@@ -130,16 +130,17 @@ class Scheduler:
 
     def enqueue(self, requests: list, block: bool, on_queued: Callable[[Request], None]) -> None:
         """Queue requests together, in order (`on_queued` marks each); `QueueFull` when there
-        is no room (unless `block`), `EngineClosed` once closed."""
+        is no room for all of them (unless `block`: then they go in as room opens),
+        `EngineClosed` once closed."""
         with self.cond:
             pending = list(requests)
             while pending:
                 if self.closed:
                     raise EngineClosed("the engine is closed")
                 room = self.max_queue - len(self.queue)
+                if not block and room < len(pending):  # all or none
+                    raise QueueFull(f"admission queue is full ({self.max_queue} requests)")
                 if room <= 0:
-                    if not block:
-                        raise QueueFull(f"admission queue is full ({self.max_queue} requests)")
                     self.cond.wait(0.05)
                     continue
                 for r in pending[:room]:
