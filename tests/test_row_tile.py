@@ -91,7 +91,7 @@ def test_row_tile_the_draft_of_a_speculative_engine_gets_the_tile(demo):
 
 def test_row_tile_bad_values_and_models_name_the_field(demo):
     model, params, tok = demo
-    for bad in (0, 65, 2.0, True):
+    for bad in (0, 257, 2.0, True):
         with pytest.raises(ValueError, match="row_tile"):
             jd.LLM(model, params, tok, max_slots=2, max_len=64, row_tile=bad)
 
