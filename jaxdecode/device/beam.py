@@ -69,6 +69,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from jaxdecode import invariance
 from jaxdecode.config import SamplingParams
 from jaxdecode.device import cache_ops, constraints, decode, numerics
 from jaxdecode.device import research as research_lib
@@ -401,7 +402,7 @@ def beam_search(model: DecoderModel, params: Any, prompt_ids: Sequence[Sequence[
                 num_return_sequences: int = 1, min_new_tokens: int = 0,
                 eos_token_ids: Optional[Sequence[int]] = None,
                 response_format: Optional[dict] = None, tokenizer: Any = None,
-                processors: Sequence[Any] = ()) -> GenerateOutput:
+                processors: Sequence[Any] = (), batch_invariant: bool = True) -> GenerateOutput:
     """Beam search over ragged prompts, entirely on device (DESIGN.md `jd.beam_search`).
 
     num_beams: one width for every row, or one per row (padded to the widest and masked).
@@ -413,8 +414,10 @@ def beam_search(model: DecoderModel, params: Any, prompt_ids: Sequence[Sequence[
     mask applies to the log-probabilities, each beam carries its own grammar state, and a
     hypothesis whose grammar completes is finished like one that ends on EOS.
     `processors`: custom jd.LogitProcessor (the module docstring); the best hypothesis'
-    final states come back in `processor_states`.
+    final states come back in `processor_states`. `batch_invariant=False`: the model's plain
+    XLA numerics, as in `generate`.
     """
+    model = invariance.configure(model, batch_invariant)
     prompt_ids = token_rows(prompt_ids)
     cfg, n = model.config, int(max_new_tokens)
     widths = _check(prompt_ids, num_beams, early_stopping, n, min_new_tokens,

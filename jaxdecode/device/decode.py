@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxdecode import invariance
 from jaxdecode.config import SamplingParams
 from jaxdecode.device import cache_ops, constraints, hooks, numerics, outputs, processors
 from jaxdecode.device import research as research_lib
@@ -542,7 +543,7 @@ def generate(model: DecoderModel, params: Any, prompt_ids: Sequence[Sequence[int
              return_scores: bool = False, return_logits: bool = False,
              return_hidden_states: Sequence[Any] = (), outputs_top_k: int = 0,
              observers: Sequence[Any] = (), host_callback: Any = None,
-             interventions: Sequence[Any] = ()) -> GenerateOutput:
+             interventions: Sequence[Any] = (), batch_invariant: bool = True) -> GenerateOutput:
     """Decode ragged prompts entirely on device (DESIGN.md `jd.generate`).
 
     A row's randomness comes from its seed; `key` serves rows with seed=None (row r uses
@@ -555,8 +556,10 @@ def generate(model: DecoderModel, params: Any, prompt_ids: Sequence[Sequence[int
     Research options (jaxdecode/device/research.py, hooks.py): `processors` (custom
     jd.LogitProcessor), `return_scores`, `return_logits` (with `outputs_top_k`),
     `return_hidden_states`, step `observers`, `host_callback`, `interventions` (jd.steer,
-    jd.ablate, jd.Intervention).
+    jd.ablate, jd.Intervention). `batch_invariant=False`: the model's plain XLA numerics (X1
+    not kept; docs/batch_invariance.md).
     """
+    model = invariance.configure(model, batch_invariant)
     prompt_ids = token_rows(prompt_ids)
     setup = research_lib.configure(
         model, processors=processors, return_scores=return_scores, return_logits=return_logits,

@@ -40,9 +40,10 @@ class LLM:
     `params_hash`: the weights' content hash when the caller knows it (never recomputed);
     `decode_steps`: decode steps per device call while nothing waits (admission.py);
     `row_tile`: rows per weight-product tile of the model and its draft (None: the model's own,
-    `model_api.ROW_TILE` by default). Wider tiles make full batches faster and a lone row
+    `invariance.ROW_TILE` by default). Wider tiles make full batches faster and a lone row
     slower; a row's tokens are invariant for one tile, not across two, and records pin it
-    (docs/batch_invariance.md "Row tiles as a setting")."""
+    (docs/batch_invariance.md "Row tiles as a setting"); `batch_invariant=False`: the model and
+    its draft on XLA's plain numerics (X1 not kept; records say `"mode": "none"`)."""
 
     def __init__(self, model: DecoderModel, params: Any, tokenizer: Any, *, max_slots: int = 8,
                  max_len: int = 2048, eos_token_ids: Optional[Sequence[int]] = None,
@@ -55,8 +56,8 @@ class LLM:
                  processors: Optional[Sequence[Any]] = None, params_hash: Optional[str] = None,
                  kv_pages: Optional[int] = None, page_size: int = 16, prefix_cache: bool = True,
                  prefill_chunk: Optional[int] = 256, decode_steps: Optional[int] = None,
-                 row_tile: Optional[int] = None):
-        model = admission.row_tiled(model, row_tile)
+                 row_tile: Optional[int] = None, batch_invariant: bool = True):
+        model = admission.row_tiled(model, row_tile, batch_invariant)
         admission.check_sizes(max_slots, max_len, max_queue, model.config.max_len)
         self.model, self.params, self.tokenizer = model, params, tokenizer
         self.max_slots, self.max_len, self.max_queue = max_slots, max_len, max_queue
@@ -66,8 +67,10 @@ class LLM:
         self.logprobs_k = min(MAX_LOGPROBS, model.config.vocab_size)  # the step's top-k
         spec = None if speculative is None else SpeculativeConfig.parse(speculative, model,
                                                                          max_len)
-        if spec is not None and spec.draft is not None and row_tile is not None:
-            spec = dataclasses.replace(spec, draft=admission.row_tiled(spec.draft, row_tile))
+        if spec is not None and spec.draft is not None and (row_tile is not None
+                                                             or batch_invariant is False):
+            spec = dataclasses.replace(spec, draft=admission.row_tiled(spec.draft, row_tile,
+                                                                       batch_invariant))
         self._research = research.configure(model, processors=processors)
         admission.check_options(spec, self._research, mesh, step_hook)
         budget = constraints.CompileBudget(seconds=max_constraint_compile_s,

@@ -31,12 +31,6 @@ def expand(adm: admission.Admission, prompt: admission.Prompt, sp: SamplingParam
     reqs = [adm.request(prompt, sp, ids[j], prompt_index=prompt_index, index=j,
                         output_kind=kind, cancelled=cancelled, seed=seed)
             for j in range(sp.n)]
-    link(reqs)
-    return reqs
-
-
-def link(reqs: list) -> None:
-    """Tie each prompt's n requests together: beams to one search row, samples to sample 0's
-    prompt pages."""
     beam_lane.link_rows(reqs)
     admission.link_samples(reqs)
+    return reqs

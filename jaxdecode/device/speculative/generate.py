@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxdecode import invariance
 from jaxdecode.config import SamplingParams
 from jaxdecode.device import cache_ops, decode, numerics, outputs
 from jaxdecode.device import research as research_lib
@@ -134,8 +135,8 @@ def speculative_generate(target: DecoderModel, target_params: Any,
                          sampling: SamplingParams | Sequence[SamplingParams], *, k: int = 4,
                          key: Optional[Array] = None, num_branches: int = 1,
                          ngram_max: int = 3, ngram_min: int = 1,
-                         tokenizer: Any = None, processors: Sequence[Any] = ()
-                         ) -> SpeculativeOutput:
+                         tokenizer: Any = None, processors: Sequence[Any] = (),
+                         batch_invariant: bool = True) -> SpeculativeOutput:
     """Speculative decoding (DESIGN.md `jd.speculative_generate`); see the package docstring.
 
     draft: a DecoderModel with the target's vocabulary, or "prompt_lookup" (draft_params is then
@@ -146,7 +147,11 @@ def speculative_generate(target: DecoderModel, target_params: Any,
     only (a sampled row raises ValueError; the package docstring's Branches section).
     `processors`: custom jd.LogitProcessor applied to the target's distribution (the package
     docstring); their final states come back in `processor_states`.
+    `batch_invariant=False`: target and draft on their plain XLA numerics, as in `generate`.
     Returns a SpeculativeOutput (GenerateOutput + `stats`)."""
+    target = invariance.configure(target, batch_invariant)
+    if not isinstance(draft, str):
+        draft = invariance.configure(draft, batch_invariant)
     prompt_ids = token_rows(prompt_ids)
     rows_in = ([sampling] * len(prompt_ids) if isinstance(sampling, SamplingParams)
                else list(sampling))
