@@ -178,6 +178,7 @@ class ReplayReport:
     actual_token: Optional[int] = None
     details: Optional[dict] = None
     bytes_differ: bool = False
+    recorded_mode: Optional[str] = None  # the record's batch_invariance.mode (None: absent)
 
     def describe(self) -> str:
         lines = [f"environment differs: {d}" for d in self.environment_differences]
@@ -192,6 +193,10 @@ class ReplayReport:
                     if d:
                         lines.append(f"  {who} token {d['token']}: logit {d['logit']:.4f}, "
                                      f"probability after processors {d['probability']:.4g}")
+            if self.recorded_mode == "none":
+                lines.append("the original ran without batch invariance (batch_invariant="
+                             "False): its tokens could depend on the other requests in its "
+                             "batch, so a replay may diverge (docs/batch_invariance.md)")
         elif self.bytes_differ:
             lines.append("same token ids but the returned bytes differ")
         return "\n".join(lines)
@@ -207,8 +212,12 @@ def environment_differences(record: GenerationRecord, llm: Any) -> list:
         out.append("model: weights differ from the recorded snapshot hash")
     if record.data["tokenizer"]["hash"] != llm.tokenizer_hash:
         out.append("tokenizer: differs from the recorded snapshot hash")
-    was_tile = (record.data.get("batch_invariance") or {}).get("row_tile")
-    now_tile = numerics.guarantee(llm.model, jax.default_backend()).get("row_tile")
+    was, now = (record.data.get("batch_invariance") or {},
+                numerics.guarantee(llm.model, jax.default_backend()))
+    if "mode" in was and was["mode"] != now["mode"]:
+        out.append(f"batch_invariance: recorded {was['mode']!r}, now {now['mode']!r} (replay "
+                   "with LLM(batch_invariant=...) as recorded)")
+    was_tile, now_tile = was.get("row_tile"), now.get("row_tile")
     if was_tile is not None and was_tile != now_tile:
         out.append(f"row_tile: recorded {was_tile}, now {now_tile} (a row's bits hold for one "
                    "tile; replay with LLM(row_tile=...) as recorded)")
@@ -259,6 +268,7 @@ def replay(record: GenerationRecord, llm: Any) -> ReplayReport:
     return ReplayReport(
         identical=False, completion=completion, environment_differences=env,
         first_divergence=step,
+        recorded_mode=(record.data.get("batch_invariance") or {}).get("mode"),
         expected_token=expected[step - 1] if step - 1 < len(expected) else None,
         actual_token=actual[step - 1] if step - 1 < len(actual) else None,
         details=divergence_details(llm, record, step, actual))

@@ -83,6 +83,14 @@ def speculative_from_args(args, model, tokenizer) -> tuple[Optional[dict], Optio
     return dict(setting, draft=(draft, draft_params)), setting
 
 
+def add_batch_invariance_argument(p: Any) -> None:
+    """`generate`, `serve` and `bench`: the fast path (docs/batch_invariance.md, rule X1)."""
+    p.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false",
+                   help="XLA's plain products, reductions and attention: faster, but a row's "
+                        "tokens may then depend on the batch it runs in (records say so, and "
+                        "replay of such a record warns when it diverges)")
+
+
 def add_speculative_arguments(p: Any) -> None:
     """`generate` and `serve`: speculative decoding (SPEC §10, docs/decoding.md)."""
     p.add_argument("--speculative", default=None, metavar="prompt_lookup|demo-draft|DIR",

@@ -124,6 +124,7 @@ def main(args: Any) -> int:
     """`jaxdecode serve`: load the model, build the engine and the app, serve until Ctrl-C."""
     from serving.loading import flag_error, load_model, speculative_from_args
     from jaxdecode.engine import LLM
+    from jaxdecode.invariance import mode_of as invariance_mode
     from serving.app import create_app
     from serving.logs import configure_logging, log_event
 
@@ -162,7 +163,8 @@ def main(args: Any) -> int:
         llm = LLM(model, params, tokenizer, max_slots=args.max_slots, max_len=max_len,
                   max_queue=args.max_queue, model_source=args.model, mesh=mesh,
                   speculative=speculative, step_hook=hook, params_hash=params_hash,
-                  decode_steps=args.decode_steps, row_tile=args.row_tile, **limits, **kv)
+                  decode_steps=args.decode_steps, row_tile=args.row_tile,
+                  batch_invariant=args.batch_invariant, **limits, **kv)
     except ValueError as e:  # on every process: a follower never waits for a failed leader
         raise flag_error(e)
     if distributed and jax.process_index() != 0:  # built only to check the flags
@@ -186,7 +188,8 @@ def main(args: Any) -> int:
     log_event("server.start", model=name, host=args.host, port=args.port,
               max_slots=args.max_slots, max_len=max_len, max_queue=args.max_queue,
               auth=api_key is not None, on_disconnect=args.on_disconnect,
-              speculative=spec_setting, row_tile=getattr(llm.model, "row_tile", None))
+              speculative=spec_setting, row_tile=getattr(llm.model, "row_tile", None),
+              batch_invariance=invariance_mode(llm.model))
     try:
         serve_app(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:
@@ -208,7 +211,7 @@ def positive_int(text: str) -> int:
 def add_arguments(p: Any) -> None:
     """The server's flags, speculative decoding's included: `jaxdecode serve` and
     `python -m serving` (serving/__main__.py) take the same."""
-    from serving.loading import add_speculative_arguments
+    from serving.loading import add_batch_invariance_argument, add_speculative_arguments
 
     p.add_argument("--model", default="demo", help="a local HF checkpoint directory, or 'demo'")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
@@ -270,3 +273,4 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--log-level", default="info",
                    choices=("debug", "info", "warning", "error"))
     add_speculative_arguments(p)
+    add_batch_invariance_argument(p)

@@ -20,3 +20,34 @@ def test_hf_column_names_its_device_and_dtype(tmp_path):
     assert report["rows"][0]["hf"]["tokens_per_s"] > 0
     table = format_table(report)
     assert f"HF torch {report['hf']['torch']} on cpu, float32" in table
+
+
+def test_invariance_tax_times_the_fast_path_beside_the_invariant_model(tmp_path):
+    """`bench --invariance-tax`: each batch row also times the model without batch invariance
+    (its own column, its HF ratio and the tax); the report names the construction timed."""
+    from jaxdecode import invariance
+    from jaxdecode.cli.bench import BenchConfig, run
+    from jaxdecode.cli.bench.configs import bench_model
+    from jaxdecode.cli.bench.report import format_table
+
+    model, params, hf = bench_model("llama-tiny", True, str(tmp_path))
+    fast = invariance.configure(model, batch_invariant=False)
+    report = run(model, params, BenchConfig(batches=(1, 2), prompt_len=4, new_tokens=8,
+                                            repeats=1), hf_model=hf, fast_model=fast)
+    assert report["batch_invariance"] == "row_tiles"
+    for row in report["rows"]:
+        assert row["fast"]["tokens_per_s"] > 0 and row["fast_ratio"] > 0
+        assert row["tax"] == pytest.approx(
+            1 - row["jaxdecode"]["tokens_per_s"] / row["fast"]["tokens_per_s"])
+    assert "invariance tax" in format_table(report)
+    assert "invariance tax" not in format_table(run(model, params, BenchConfig(
+        batches=(1,), prompt_len=4, new_tokens=8, repeats=1)))
+
+
+def test_invariance_flags_name_their_conflicts():
+    from jaxdecode import cli
+
+    with pytest.raises(SystemExit, match="--invariance-tax: not with --no-batch-invariant"):
+        cli.main(["bench", "--invariance-tax", "--no-batch-invariant"])
+    with pytest.raises(SystemExit, match="--no-batch-invariant: not used by the HTTP load test"):
+        cli.main(["bench", "--serve", "--no-batch-invariant"])

@@ -111,6 +111,7 @@ def test_python_m_serving_takes_the_flags_of_jaxdecode_serve():
     with pytest.raises(SystemExit):
         serve(["--warmup", "0"])
     assert "speculative" in serve([]) and "num_speculative_tokens" in serve([])
+    assert serve([])["batch_invariant"] and not serve(["--no-batch-invariant"])["batch_invariant"]
     flags = ["--model", "x", "--max-slots", "3", "--speculative", "prompt_lookup",
              "--no-prefix-cache"]
     assert vars(parse_args(flags)) == serve(flags)

@@ -149,3 +149,34 @@ def test_sampling_X1_invariance_with_hypothesis_chosen_neighbours(demo, llm):
         assert llm.generate(prompts, settings_)[at].token_ids == alone
 
     check()
+
+
+def test_replay_X11_a_record_without_batch_invariance_replays_as_made_and_says_so(tmp_path):
+    """`generate --no-batch-invariant` records mode "none"; `replay` rebuilds the engine without
+    invariance (no environment difference), and a divergence says the original ran without it."""
+    rec = tmp_path / "fast.json"
+    gen = run("-m", "jaxdecode.cli", "generate", "--prompt", PROMPT, "--max-tokens", "12",
+              "--seed", "3", "--record", str(rec), "--no-stream", "--no-batch-invariant")
+    assert gen.returncode == 0, gen.stderr
+    data = json.loads(rec.read_text())
+    assert data["batch_invariance"]["mode"] == "none" and not data["batch_invariance"]["bitwise"]
+    ok = run("-m", "jaxdecode.cli", "replay", str(rec))
+    assert ok.returncode == 0 and "identical" in ok.stdout, ok.stdout + ok.stderr
+    assert "batch_invariance" not in ok.stdout
+    data["output"]["token_ids"][3] = (data["output"]["token_ids"][3] + 1) % 4096
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(data))
+    diverged = run("-m", "jaxdecode.cli", "replay", str(bad))
+    assert diverged.returncode == 1 and "without batch invariance" in diverged.stdout
+
+
+def test_replay_X11_names_a_batch_invariance_mode_other_than_recorded(demo, llm):
+    """A record of the invariant engine replayed on a `batch_invariant=False` one: the
+    environment difference names `batch_invariance` and both modes."""
+    model, params, tok = demo
+    record = llm.generate([PROMPT], dataclasses.replace(SP, max_tokens=6))[0].record
+    with jd.LLM(model, params, tok, max_slots=llm.max_slots, max_len=llm.max_len,
+                batch_invariant=False) as fast:
+        report = jd.replay(record, fast)
+    named = [d for d in report.environment_differences if d.startswith("batch_invariance")]
+    assert named and "'none'" in named[0] and "'row_tiles'" in named[0], report.describe()

@@ -8,7 +8,8 @@ import json
 import sys
 import time
 
-from serving.loading import add_speculative_arguments, flag_error, load_model, speculative_from_args
+from serving.loading import (add_batch_invariance_argument, add_speculative_arguments, flag_error,
+                             load_model, speculative_from_args)
 
 
 def sampling_from_args(args):
@@ -52,7 +53,8 @@ def cmd_generate(args) -> int:
     first_delta_s = None
     try:
         with LLM(model, params, tokenizer, max_slots=1, max_len=max_len,
-                 model_source=args.model, speculative=speculative) as llm:
+                 model_source=args.model, speculative=speculative,
+                 batch_invariant=args.batch_invariant) as llm:
             handle = llm.submit(prompt, sp)
             if stream:
                 sys.stdout.write(prompt)
@@ -101,7 +103,7 @@ def _generate_beams(args, model, params, tokenizer, prompt, prompt_ids, sp) -> i
                                  length_penalty=args.length_penalty, early_stopping=early)
         max_len = min(model.config.max_len, bucket(len(prompt_ids) + sp.max_tokens + 1))
         with LLM(model, params, tokenizer, max_slots=1, max_len=max_len,
-                 model_source=args.model) as llm:
+                 model_source=args.model, batch_invariant=args.batch_invariant) as llm:
             done = llm.generate(prompt, sp)
     except ValueError as e:
         raise flag_error(e)
@@ -142,4 +144,5 @@ def add_parser(sub) -> None:
     g.add_argument("--json", action="store_true", help="print one JSON object with text and usage")
     g.add_argument("--record", help="write the generation record (SPEC §11) to this JSON file")
     add_speculative_arguments(g)
+    add_batch_invariance_argument(g)
     g.set_defaults(func=cmd_generate)

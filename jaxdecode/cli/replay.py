@@ -19,9 +19,10 @@ def cmd_replay(args) -> int:
         raise SystemExit("--model: the record names no model source; pass --model DIR|demo")
     model, params, tokenizer = load_model(spec)
     layout = record.data["layout"]
-    row_tile = (record.data.get("batch_invariance") or {}).get("row_tile")
+    pinned = record.data.get("batch_invariance") or {}
     with LLM(model, params, tokenizer, max_slots=layout["max_slots"], max_len=layout["max_len"],
-             model_source=spec, row_tile=row_tile) as llm:
+             model_source=spec, row_tile=pinned.get("row_tile"),
+             batch_invariant=pinned.get("mode") != "none") as llm:
         report = replay(record, llm)
     print(report.describe())
     return 0 if report.identical else 1

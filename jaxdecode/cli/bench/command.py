@@ -13,6 +13,7 @@ from jaxdecode.cli.bench import host, paged, report as report_mod, research, sea
 from jaxdecode.cli.bench import throughput
 from jaxdecode.cli.bench.configs import BENCH_CONFIGS, bench_model, hf_comparable, host_model
 from jaxdecode.cli.bench.timing import BenchConfig
+from serving.loading import add_batch_invariance_argument
 
 
 def add_parser(sub) -> None:
@@ -30,6 +31,10 @@ def bench_arguments(b) -> None:
     b.add_argument("--row-tile", type=int, default=None,
                    help="rows per weight-product tile of the model (default: the model's, 4; "
                         "docs/batch_invariance.md \"Row tiles as a setting\")")
+    add_batch_invariance_argument(b)
+    b.add_argument("--invariance-tax", action="store_true",
+                   help="also time the fast path (--no-batch-invariant's model) beside the "
+                        "batch-invariant one, per batch size: the invariance tax")
     b.add_argument("--new-tokens", type=int, default=64)
     b.add_argument("--repeats", type=int, default=3)
     b.add_argument("--compare-hf", action="store_true",
@@ -84,7 +89,8 @@ def check_bench_mode(args) -> None:
     bad = sorted(n for n in (bench_flags if args.serve else load_flags)
                  if getattr(args, n) != defaults[n])
     if bad:
-        flags = ", ".join("--" + n.replace("_", "-") for n in bad)
+        flag_of = {a.dest: a.option_strings[0] for a in (*probe._actions, *bench._actions)}
+        flags = ", ".join(flag_of[n] for n in bad)
         raise SystemExit(f"{flags}: not used by the HTTP load test (bench --serve)" if args.serve
                          else f"{flags}: load-test flags; add --serve")
 
@@ -93,6 +99,9 @@ def _settle(args) -> None:
     """Fill in what depends on the backend and on --report."""
     import jax
 
+    if args.invariance_tax and not args.batch_invariant:
+        raise SystemExit("--invariance-tax: not with --no-batch-invariant (the tax is the "
+                         "batch-invariant model's time against the fast path's)")
     if args.model is None:  # size the configuration to the backend
         args.model = "llama-512" if jax.default_backend() == "cpu" else "llama-1b"
     if args.compare_hf and not hf_comparable():
@@ -122,9 +131,10 @@ def _decode_sections(args, cfg: BenchConfig) -> tuple[dict, list]:
     progress = lambda row: print(json.dumps(row), file=sys.stderr)  # noqa: E731
     with tempfile.TemporaryDirectory() as workdir:
         model, params, hf = bench_model(args.model, args.compare_hf, workdir)
-        model = row_tiled(model, args.row_tile)
+        fast = row_tiled(model, args.row_tile, False) if args.invariance_tax else None
+        model = row_tiled(model, args.row_tile, args.batch_invariant)
         report = throughput.run(model, params, cfg, hf_model=hf, hf_threads=args.hf_threads,
-                                progress=progress)
+                                progress=progress, fast_model=fast)
         if args.report:
             lengths = (128, 256) if args.quick else (128, 256, 512, 1024, 2048)
             report["ttft"] = throughput.ttft(model, params, lengths, hf, args.hf_threads,
@@ -169,7 +179,7 @@ def _host_sections(args, cfg: BenchConfig, report: dict, text: list) -> None:
     from jaxdecode.engine.admission import row_tiled
 
     model, params, tokenizer, spec = host_model(args.model)
-    model = row_tiled(model, args.row_tile)
+    model = row_tiled(model, args.row_tile, args.batch_invariant)
     if args.host_cost:
         with open(os.path.join(sysconfig.get_paths()["stdlib"], "json", "decoder.py"),
                   encoding="utf-8") as f:

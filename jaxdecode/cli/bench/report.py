@@ -11,6 +11,7 @@ from jaxdecode.cli.bench import plots
 
 
 def format_table(report: dict) -> str:
+    fast = FAST_HEADER if any("fast" in row for row in report["rows"]) else ("", "")
     lines = [f"machine: {report['machine']['cpu']} ({report['machine']['cores']} cores), "
              f"{report['machine']['backend']}, jax {report['machine']['jax']}",
              f"params: {report['param_bytes'] / 1e6:.1f} MB; bytes read per step "
@@ -19,20 +20,33 @@ def format_table(report: dict) -> str:
              f"{report['roofline_step_ms']:.2f} ms",
              *([f"weights: jaxdecode {report['dtype']}; HF torch {report['hf']['torch']} on "
                 f"{report['hf']['device']}, {report['hf']['dtype']}"] if "hf" in report else []),
-             "| batch | jaxdecode tok/s | step ms | HF tok/s | ratio |",
-             "|---:|---:|---:|---:|---:|"]
+             f"batch invariance: {report.get('batch_invariance', '?')}",
+             "| batch | jaxdecode tok/s | step ms | HF tok/s | ratio |" + fast[0],
+             "|---:|---:|---:|---:|---:|" + fast[1]]
     for row in report["rows"]:
         hf = row.get("hf", {}).get("tokens_per_s")
         hf_cell = "-" if hf is None else f"{hf:.1f}"
         ratio_cell = "-" if hf is None else f"{row['ratio']:.2f}x"
         lines.append(f"| {row['batch']} | {row['jaxdecode']['tokens_per_s']:.1f} | "
-                     f"{row['jaxdecode']['step_ms']:.2f} | {hf_cell} | {ratio_cell} |")
+                     f"{row['jaxdecode']['step_ms']:.2f} | {hf_cell} | {ratio_cell} |"
+                     + _fast_cells(row))
     if "roofline_fraction_batch1" in report:
         lines.append(f"batch-1 step time vs roofline: {report['roofline_fraction_batch1'] * 100:.0f}% "
                      f"of the bandwidth limit")
     return "\n".join(lines)
 
 
+
+
+# The fast path's columns (bench --invariance-tax)
+FAST_HEADER = (" fast-path step ms | fast-path ratio | invariance tax |", "---:|---:|---:|")
+
+
+def _fast_cells(row: dict) -> str:
+    if "fast" not in row:
+        return ""
+    ratio = f"{row['fast_ratio']:.2f}x" if "fast_ratio" in row else "-"
+    return f" {row['fast']['step_ms']:.2f} | {ratio} | {row['tax'] * 100:.1f}% |"
 
 
 def format_search(beam: Optional[dict] = None, spec: Optional[dict] = None) -> str:

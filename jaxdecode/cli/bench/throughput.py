@@ -10,6 +10,7 @@ from typing import Optional, Sequence
 
 import jax
 
+from jaxdecode import invariance
 from jaxdecode.cli.bench.timing import (BenchConfig, gemv_bandwidth, machine, median_time, prompts,
                                         step_bytes)
 from jaxdecode.config import SamplingParams
@@ -70,8 +71,10 @@ def hf_setup(hf_model) -> dict:
 
 
 def run(model, params, cfg: BenchConfig, hf_model=None, hf_threads: Optional[int] = None,
-        progress=None) -> dict:
-    """Measure every batch size; `hf_model` (same weights) adds the HF column and ratios."""
+        progress=None, fast_model=None) -> dict:
+    """Measure every batch size; `hf_model` (same weights) adds the HF column and ratios;
+    `fast_model` (the model without batch invariance) the fast path beside it and the
+    invariance tax, 1 - invariant tokens/s over the fast path's (docs/batch_invariance.md)."""
     report: dict = {"machine": machine(), "config": dataclasses.asdict(cfg),
                     "model": {k: v for k, v in dataclasses.asdict(model.config).items()
                               if not isinstance(v, (tuple, list)) or len(v) < 16},
@@ -81,6 +84,7 @@ def run(model, params, cfg: BenchConfig, hf_model=None, hf_threads: Optional[int
     report["gemv_bandwidth_gb_s"] = bw / 1e9
     report["roofline_step_ms"] = report["step_bytes"] / bw * 1e3
     report["dtype"] = str(jax.tree.leaves(params)[0].dtype)
+    report["batch_invariance"] = invariance.mode_of(model)
     if hf_model is not None:
         report["hf"] = hf_setup(hf_model)
     rows = []
@@ -88,10 +92,15 @@ def run(model, params, cfg: BenchConfig, hf_model=None, hf_threads: Optional[int
 
     for batch in tqdm(cfg.batches, desc="bench", unit="batch", file=sys.stderr):
         row = {"batch": batch, "jaxdecode": time_jaxdecode(model, params, batch, cfg)}
+        if fast_model is not None:
+            row["fast"] = time_jaxdecode(fast_model, params, batch, cfg)
+            row["tax"] = 1 - row["jaxdecode"]["tokens_per_s"] / row["fast"]["tokens_per_s"]
         if hf_model is not None:
             row["hf"] = time_hf(hf_model, batch, cfg, model.config.vocab_size,
                                 hf_threads or os.cpu_count())
             row["ratio"] = row["jaxdecode"]["tokens_per_s"] / row["hf"]["tokens_per_s"]
+            if fast_model is not None:
+                row["fast_ratio"] = row["fast"]["tokens_per_s"] / row["hf"]["tokens_per_s"]
         if batch == 1:
             report["roofline_fraction_batch1"] = report["roofline_step_ms"] / row["jaxdecode"]["step_ms"]
         rows.append(row)
