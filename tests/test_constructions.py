@@ -98,6 +98,31 @@ def test_plain_numerics_are_accepted_everywhere_and_recorded(demo):
         assert llm.model.batch_invariant is False
 
 
+def test_fast_path_runs_a_lone_row_as_one_row_everywhere(demo):
+    """Without invariance a lone request is a one-row program (`numerics.min_rows`: no done
+    padding row, so XLA takes its matrix-vector products): the engine's state has one row, and
+    jd.generate, jd.beam_search and jd.speculative_generate take `batch_invariant=False` on a
+    lone prompt; with invariance every program keeps two rows."""
+    model, params, tok = demo
+    fast = invariance.configure(model, batch_invariant=False)
+    assert numerics.min_rows(fast) == 1 and numerics.min_rows(model) == numerics.MIN_ROWS == 2
+    prompt = [_prompt(np.random.default_rng(3), model.config.vocab_size, 6, 7)]
+    sp = jd.SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    with jd.LLM(model, params, tok, max_slots=1, max_len=64, batch_invariant=False) as llm:
+        assert llm._core.ctx.rows == 1
+        engine = list(llm.generate(prompt, sp)[0].token_ids)
+    with jd.LLM(model, params, tok, max_slots=1, max_len=64) as llm:
+        assert llm._core.ctx.rows == 2
+    alone = jd.generate(model, params, prompt, sp, batch_invariant=False).tokens(0)
+    assert len(alone) == len(engine) == 6
+    beams = jd.beam_search(model, params, prompt, num_beams=2, max_new_tokens=6,
+                           batch_invariant=False)
+    assert len(beams.tokens(0)) == 6
+    spec = jd.speculative_generate(model, params, "prompt_lookup", None, prompt, sp,
+                                   batch_invariant=False)
+    assert len(spec.tokens(0)) == 6
+
+
 def test_construction_env_names_the_variable(monkeypatch):
     monkeypatch.setenv(invariance.CONSTRUCTION_ENV, "fixed_shape")
     assert invariance.construction("auto") == "fixed_shape"

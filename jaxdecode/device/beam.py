@@ -432,9 +432,10 @@ def beam_search(model: DecoderModel, params: Any, prompt_ids: Sequence[Sequence[
                                  tokenizer=tokenizer, research=setup)
     eos_mask = np.zeros((cfg.vocab_size,), bool)
     eos_mask[list(eos)] = True
-    # a lone width-1 row searches with a masked second beam (numerics.MIN_ROWS: no program of
-    # one row); its results are those of width 1 (the padding of per-row widths)
-    width = max(widths) if b * max(widths) >= numerics.MIN_ROWS else numerics.MIN_ROWS
+    # a lone width-1 row searches with a masked second beam (numerics.min_rows: no program of
+    # one row where batch invariant); its results are those of width 1 (per-row widths' padding)
+    least = numerics.min_rows(model)
+    width = max(widths) if b * max(widths) >= least else least
     config = BeamConfig(model, width, bucket(n), max(2, 1 + len(eos)) * width, early_stopping,
                         None if setup is None else setup.config)
     rows = BeamRows(widths=np.asarray(widths, np.int32), max_new=np.int32(n),

@@ -95,17 +95,18 @@ def pick_branch(tree: Any, chosen: Array, axis: Optional[int] = None) -> Any:
     return jax.tree.map(leaf, tree, is_leaf=_is_cache)
 
 
-def pad_rows(state: Any, rows: int, research: Any = None) -> Any:
-    """At least `numerics.MIN_ROWS` rows: a state of fewer rows (a lone request) gets copies
-    of its last row marked done, which select and write nothing (batch invariance: no program
-    runs a batch of one row). Callers keep only their `rows` first outputs. Not with custom
+def pad_rows(state: Any, rows: int, research: Any = None,
+             least: int = numerics.MIN_ROWS) -> Any:
+    """At least `least` rows (`numerics.min_rows`): a state of fewer rows (a lone request) gets
+    copies of its last row marked done, which select and write nothing (batch invariance: no
+    program runs a batch of one row). Callers keep only their `rows` first outputs. Not with custom
     processors (`research` with processors): they see exactly the caller's rows, since a
     processor may couple rows (classifier-free guidance pairs them)."""
-    if rows >= numerics.MIN_ROWS or (research is not None and research.processors):
+    if rows >= least or (research is not None and research.processors):
         return state
-    index = np.minimum(np.arange(numerics.MIN_ROWS), rows - 1).astype(np.int32)
+    index = np.minimum(np.arange(least), rows - 1).astype(np.int32)
     state = take_rows(state, jnp.asarray(index))
-    return state.replace(done=state.done | (jnp.arange(numerics.MIN_ROWS) >= rows))
+    return state.replace(done=state.done | (jnp.arange(least) >= rows))
 
 
 def shared_tables(fn: Callable) -> Callable:

@@ -234,8 +234,8 @@ def select(state: StepState, bound: Any = None) -> tuple[Array, Array, Optional[
 
 
 def first_tokens(rows: StepState, top_logprobs: int = 0) -> StepOutput:
-    """y_1 of rows whose prefill just ended (a state of R >= numerics.MIN_ROWS rows), selected
-    exactly as their first `decode_step` will select it (`select` on the same row state),
+    """y_1 of rows whose prefill just ended (a state of R >= numerics.min_rows(model) rows),
+    selected exactly as their first `decode_step` will select it (`select` on the same row state),
     without running the model: the engine streams a prompt's first token as soon as its
     prefill ends, before the step that writes it (docs/serving.md "First token from the
     prefill"; `chunks.start_rows` runs it)."""
@@ -369,7 +369,7 @@ def decode_steps_jit(state: StepState, params: Any, steps: Array, rows: Optional
     that selected none). One program for every `steps` (a traced bound), so a row's tokens
     never depend on how many steps a call runs; `generate`'s loop body.
 
-    `rows` (int32[R], distinct; R >= numerics.MIN_ROWS): run only those rows -- gathered into
+    `rows` (int32[R], distinct; R >= numerics.min_rows(model)): run only those rows -- gathered into
     a batch of R, stepped over the shared page pool, scattered back -- when the others select
     nothing (done, paused or empty): a step's cost follows the rows that decode, and batch
     invariance makes their tokens those of the whole batch. The outputs stay per slot (rows
@@ -569,7 +569,7 @@ def generate(model: DecoderModel, params: Any, prompt_ids: Sequence[Sequence[int
                                 tokenizer=tokenizer, research=setup)
     b, k = len(rows_sp), max(s.logprobs for s in rows_sp)
     config = StepConfig(model, k, None, None if setup is None else setup.config)
-    state = cache_ops.pad_rows(state, b, config.research)
+    state = cache_ops.pad_rows(state, b, config.research, numerics.min_rows(model))
     state, bufs, extra = _drive(config, params, state, n, trace, setup)
     tokens, logprob, top_ids, top_lp = (x[:b] for x in bufs)
     result = outputs.build(tokens, logprob, np.asarray(state.finish)[:b],

@@ -31,6 +31,12 @@ TESTED_BACKENDS = ("cpu",)
 MIN_ROWS = 2
 
 
+def min_rows(model: Any) -> int:
+    """The fewest rows a decoding program of `model` runs: MIN_ROWS for a batch-invariant model,
+    1 without invariance (the fast path: a lone row's products are matrix-vector products)."""
+    return MIN_ROWS if invariance.mode_of(model) != "none" else 1
+
+
 def jit(fun=None, **kwargs):
     """`jax.jit` with `compiler_options()`, created at the first call (so the backend is chosen
     and started by then); also a decorator factory: `@jit(static_argnums=...)`. jax accepts

@@ -382,7 +382,7 @@ class Setup:
         """`result` (a GenerateOutput) with the research fields: step-major device buffers
         (scores, logits, hidden, observed) -> batch-major host arrays of N = n steps, zero after
         each row's end; the processors' final states. Rows past the result's (the padding row of
-        a lone request, numerics.MIN_ROWS) are dropped; observers see the device state as is."""
+        a lone request, numerics.min_rows) are dropped; observers see the device state as is."""
         scores, logits, hidden, observed = jax.tree.map(np.asarray, bufs)
         b = len(result.lengths)
         after_end = np.arange(n)[None, :] >= result.lengths[:, None]

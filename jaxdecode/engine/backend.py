@@ -271,7 +271,7 @@ class PlainBackend(_Rows):
         """`chunks.start_rows`'s host inputs, the rows of every final stacked and padded."""
         vocab = self.model.config.vocab_size
         n = sum(len(f.slots) for _, f in finals)
-        size = first_rows(n)
+        size = first_rows(n, numerics.min_rows(self.model))
         which = np.zeros((size,), np.int32)
         seen = np.zeros((size, vocab), bool)
         lengths = np.zeros((size,), np.int32)
@@ -306,7 +306,8 @@ class PlainBackend(_Rows):
         """`start`'s programs: one call for each row count and top-k (rows dropped)."""
         if not self.compacts:
             return super()._warm_start(state, logits, table, prompt_widths, top_ks)
-        for n in sorted({first_rows(n) for n in range(1, self.rows + 1)}):
+        least = numerics.min_rows(self.model)
+        for n in sorted({first_rows(n, least) for n in range(1, self.rows + 1)}):
             for top_k in top_ks:
                 state, _ = self.start(state, logits, [(0, self._dropped(state, table, n, 1))],
                                       top_k)
@@ -348,10 +349,10 @@ class PlainBackend(_Rows):
         return len(r.prompt_ids) + r.dispatched + steps
 
 
-def first_rows(n: int) -> int:
-    """The rows of a `start` call for n new rows: a power of two, at least
-    numerics.MIN_ROWS (warm-up compiles each; a start call costs little per padding row)."""
-    return max(power_of_two(n), numerics.MIN_ROWS)
+def first_rows(n: int, least: int) -> int:
+    """The rows of a `start` call for n new rows: a power of two, at least `least`
+    (`numerics.min_rows`; warm-up compiles each; a start call costs little per padding row)."""
+    return max(power_of_two(n), least)
 
 
 @functools.lru_cache(maxsize=None)

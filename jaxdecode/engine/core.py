@@ -78,7 +78,7 @@ class EngineCore:
         scheduler = Scheduler(ctx.max_slots, ctx.max_len, max_queue,
                               PagePool(kv.pages, kv.page_size, kv.prefix_cache), kv.chunk,
                               0 if spec is None else spec.k + 1, namespace,
-                              prefill_last=spec is None, min_rows=numerics.MIN_ROWS)
+                              prefill_last=spec is None, min_rows=numerics.min_rows(ctx.model))
         return scheduler, cls(ctx, scheduler, limits, **options)
 
     def _stepped(self) -> None:

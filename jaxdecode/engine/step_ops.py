@@ -246,9 +246,10 @@ class Context:
 
     @property
     def rows(self) -> int:
-        """Rows of the device state: max_slots, at least numerics.MIN_ROWS (no program of one
-        row, docs/batch_invariance.md); a row past max_slots is never admitted (always done)."""
-        return max(self.max_slots, numerics.MIN_ROWS)
+        """Rows of the device state: max_slots, at least `numerics.min_rows` (no program of one
+        row where batch invariant, docs/batch_invariance.md); a row past max_slots is never
+        admitted (always done)."""
+        return max(self.max_slots, numerics.min_rows(self.model))
 
     @property
     def pages_per_row(self) -> int:
@@ -360,7 +361,7 @@ def warmup_shapes(ctx: Context, max_prompt_len: int, top_logprobs: int = 0,
     widths = sorted({decode.bucket(n, ctx.max_len) for n in lengths})
     state = ctx.backend.warmup(ctx.backend.empty_state(), shapes, widths,
                                kv_buckets(ctx.max_len), sorted({0, top_logprobs}),
-                               compact_counts(numerics.MIN_ROWS, ctx.max_slots))
+                               compact_counts(numerics.min_rows(ctx.model), ctx.max_slots))
     jax.block_until_ready(state)
     return decode.compilation_count() - before
 

@@ -172,7 +172,8 @@ def speculative_generate(target: DecoderModel, target_params: Any,
                          tuple(range(ngram_max, ngram_min - 1, -1)), num_branches=num_branches,
                          research=None if setup is None else setup.config)
     c = _spec_loop(config, target_params, None if lookup else draft_params,
-                   cache_ops.pad_rows(init, b, config.research), jnp.int32(n + 1))
+                   cache_ops.pad_rows(init, b, config.research, numerics.min_rows(target)),
+                   jnp.int32(n + 1))
     custom = {} if setup is None else dict(
         processor_order=setup.processor_order,
         processor_states=research_lib.final_states(
