@@ -4,7 +4,7 @@ Every invalid value raises `ValueError` whose message starts with the field name
 layer can report `param`. Settings are plain host data; `jaxdecode.device.state.RowParams` turns a
 batch of them into per-row device arrays, so new values never recompile.
 
-Beam search (SPEC §10, HF `generate` names): `num_beams > 1` makes the engine run the request
+Beam search (contract §10, HF `generate` names): `num_beams > 1` makes the engine run the request
 by `jd.beam_search` (jaxdecode/engine/beam_lane.py) with `length_penalty` and `early_stopping`
 (True / False / "never"); `n` is the number of beams returned (HF's `num_return_sequences`, the
 `n` of vLLM's beam search), at most `num_beams`. Beam search ranks raw log-probabilities (HF
@@ -78,7 +78,7 @@ def _f32_finite(x: Any) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """Per-request sampling settings (DESIGN.md public API; SPEC §3, §5, §6, §8)."""
+    """Per-request sampling settings (docs/architecture.md public API; contract §3, §5, §6, §8)."""
 
     temperature: float = 1.0
     top_k: int = 0
@@ -235,7 +235,7 @@ class SamplingParams:
 
     @property
     def single_stop_ids(self) -> tuple[int, ...]:
-        """Stop ids decided on the device (SPEC §5); sequences are matched on the host."""
+        """Stop ids decided on the device (contract §5); sequences are matched on the host."""
         return tuple(i for i in self.stop_token_ids if _is_int(i))
 
     @property

@@ -1,4 +1,4 @@
-"""The model protocol (DESIGN.md "The model protocol"): the only way `jaxdecode` reaches a model.
+"""The model protocol (docs/architecture.md "The model protocol"): the only way `jaxdecode` reaches a model.
 
 A model is data plus pure functions. `models/` implements this protocol and imports nothing
 else from `jaxdecode`; the decoder drives any object that follows it, including the tiny
@@ -25,7 +25,7 @@ class KVCache:
     k, v:    [layers, batch, kv_heads, max_len, head_dim]
     lengths: int32[batch] -- one past the last written position of each row.
 
-    Heads-major (DESIGN.md first had max_len before kv_heads): each (row, kv head) is then one
+    Heads-major (docs/architecture.md first had max_len before kv_heads): each (row, kv head) is then one
     contiguous [max_len, head_dim] matrix, and decode attention on XLA:CPU runs 4-40x faster
     (measured 0.6 ms vs 26 ms per layer at batch 16, cache 512).
 

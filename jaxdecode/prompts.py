@@ -1,4 +1,4 @@
-"""Prompt token ids in every accepted form, as ragged rows of Python ints (DESIGN.md: "prompts
+"""Prompt token ids in every accepted form, as ragged rows of Python ints (docs/architecture.md: "prompts
 everywhere"). The one normaliser behind `jd.generate`, `jd.beam_search`,
 `jd.speculative_generate` and `jd.LLM`.
 

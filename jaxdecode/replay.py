@@ -1,4 +1,4 @@
-"""Reproducible generation (SPEC §11): records, replay, and the first divergent step.
+"""Reproducible generation (contract §11): records, replay, and the first divergent step.
 
 A `GenerationRecord` is a versioned JSON document (`"format": "jaxdecode.record/1"`) pinning
 everything a request's output depends on: content hashes of the weights and the tokenizer,
@@ -14,7 +14,7 @@ of environment (backend, versions, PRNG, model or tokenizer hash) before compari
 mismatch reports the first divergent step (1-based) with both tokens and their raw logits and
 processed probabilities at that step (recomputed from the prompt plus the common prefix).
 
-Batch invariance (SPEC X1, docs/batch_invariance.md): a seeded request's tokens do not depend
+Batch invariance (contract X1, docs/batch_invariance.md): a seeded request's tokens do not depend
 on its slot, its neighbours or `max_slots`. The record says how far that holds for the run that
 made it: `"batch_invariance": {"mode", "backend", "bitwise"}` (`numerics.guarantee`; bitwise
 True for a batch-invariant model on a backend the suite checks, XLA:CPU; `row_tile`, the rows
@@ -88,7 +88,7 @@ def sampling_from_json(d: dict) -> SamplingParams:
 
 @dataclasses.dataclass
 class GenerationRecord:
-    """SPEC §11 replay record; `data` is the JSON document (see the module docstring)."""
+    """contract §11 replay record; `data` is the JSON document (see the module docstring)."""
 
     data: dict
 
@@ -252,7 +252,7 @@ def divergence_details(llm: Any, record: GenerationRecord, step: int, actual: li
 
 
 def replay(record: GenerationRecord, llm: Any) -> ReplayReport:
-    """Re-run `record` on `llm` and compare (DESIGN.md `jd.replay`)."""
+    """Re-run `record` on `llm` and compare (docs/architecture.md `jd.replay`)."""
     if isinstance(record, (str, bytes)):
         record = GenerationRecord.from_json(record)
     env = environment_differences(record, llm)

@@ -1,4 +1,4 @@
-"""Encoding text with either kind of tokenizer the project accepts (DESIGN.md: a
+"""Encoding text with either kind of tokenizer the project accepts (docs/architecture.md: a
 `tokenizers.Tokenizer` or a `transformers` tokenizer)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Enums, errors and result records shared by the device core and the host pipeline (SPEC §1, §9)."""
+"""Enums, errors and result records shared by the device core and the host pipeline (contract §1, §9)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any, Optional
 
 
 class FinishReason(str, enum.Enum):
-    """Why a request ended (SPEC §9). Values are the wire strings."""
+    """Why a request ended (contract §9). Values are the wire strings."""
 
     EOS = "eos"
     STOP_SEQUENCE = "stop_sequence"
@@ -23,7 +23,7 @@ class FinishReason(str, enum.Enum):
 
 
 class ErrorCode(str, enum.Enum):
-    """Error codes carried by a `failed` event (SPEC §9)."""
+    """Error codes carried by a `failed` event (contract §9)."""
 
     DECODING_ERROR = "decoding_error"
     GRAMMAR_DEAD_END = "grammar_dead_end"
@@ -35,7 +35,7 @@ class ErrorCode(str, enum.Enum):
 
 
 class RequestState(str, enum.Enum):
-    """Lifecycle states of SPEC §1."""
+    """Lifecycle states of contract §1."""
 
     CREATED = "CREATED"
     QUEUED = "QUEUED"
@@ -49,12 +49,12 @@ class RequestState(str, enum.Enum):
 
 
 class DecodingError(ValueError):
-    """Bytes that cannot form UTF-8 under the strict policy (SPEC D2a, D4)."""
+    """Bytes that cannot form UTF-8 under the strict policy (contract D2a, D4)."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Usage:
-    """Token counts of SPEC §9: selected, written into the cache, whose text was returned;
+    """Token counts of contract §9: selected, written into the cache, whose text was returned;
     `cached_tokens`: prompt tokens served from the prefix cache instead of being prefilled."""
 
     prompt_tokens: int = 0
@@ -129,7 +129,7 @@ class TokenLogprob:
 
 @dataclasses.dataclass(frozen=True)
 class Completion:
-    """One finished request of the engine (DESIGN.md `jd.Completion`).
+    """One finished request of the engine (docs/architecture.md `jd.Completion`).
 
     `events` is the request's full trace (lifecycle, token.selected, decode.completed, deltas,
     the terminal event, resources.released); `prompt_index` / `index` place it among the

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Train the embedded demo models of `models/demo/` (DESIGN.md "models/").
+"""Train the embedded demo models of `models/demo/` (docs/architecture.md "models/").
 
 Everything here is reproducible on a fresh machine with no download: the training text is the
 Python standard library that ships with the interpreter running this script.

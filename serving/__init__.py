@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP server over one `jd.LLM` (DESIGN.md "serving/").
+"""The OpenAI-compatible HTTP server over one `jd.LLM` (docs/architecture.md "serving/").
 
     from serving import create_app, ServerThread
     app = create_app(llm, model_name="demo")          # a FastAPI app (serving.app)

@@ -1,9 +1,9 @@
-"""The OpenAI-compatible HTTP API over one `jd.LLM` (DESIGN.md "Command line and HTTP").
+"""The OpenAI-compatible HTTP API over one `jd.LLM` (docs/architecture.md "Command line and HTTP").
 
     app = create_app(llm, model_name="demo", api_key=None, on_disconnect="cancel")
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``
-(and ``/v1/models/{id}``), ``GET /v1/streams/{request_id}`` (resume, SPEC T4), ``GET /health``,
+(and ``/v1/models/{id}``), ``GET /v1/streams/{request_id}`` (resume, contract T4), ``GET /health``,
 ``GET /metrics``. With `api_key` set, every route except ``/health`` needs
 ``Authorization: Bearer <key>`` (401 otherwise).
 
@@ -46,7 +46,7 @@ optional usage chunk (``stream_options.include_usage``: ``choices: []``; every o
 has ``"usage": null``) and ``data: [DONE]``; see `serving.streams` for ids and resumption. The
 response id is in the ``x-request-id`` header and in every chunk's ``id``.
 
-Disconnects (SPEC T5): when the last reader of a response goes away before its end, policy
+Disconnects (contract T5): when the last reader of a response goes away before its end, policy
 ``cancel`` (default) cancels the engine requests -- they end CANCELLED in the engine, and the
 server records them as ``transport_error`` (metric label, log line, and the
 ``jaxdecode_finish_reason`` of the final chunk a reconnecting reader sees), never as EOS. Policy
@@ -334,7 +334,7 @@ class Server:
             logging.getLogger("serving").exception("writing the record failed")
 
     def on_gone(self, tracked: _Tracked) -> None:
-        """The last client of a live request went away (SPEC T5)."""
+        """The last client of a live request went away (contract T5)."""
         if self.on_disconnect == "cancel":
             tracked.transport_error = True
             for h in tracked.handles:
@@ -512,7 +512,7 @@ class Server:
         else:
             choice = {"index": i, "text": text, "logprobs": logprobs}
         choice.update(self._finish_fields(h, tracked))
-        if h.score is not None:  # extension: a beam's HF score (SPEC §10)
+        if h.score is not None:  # extension: a beam's HF score (contract §10)
             choice["score"] = h.score
         return choice
 

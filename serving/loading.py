@@ -92,7 +92,7 @@ def add_batch_invariance_argument(p: Any) -> None:
 
 
 def add_speculative_arguments(p: Any) -> None:
-    """`generate` and `serve`: speculative decoding (SPEC §10, docs/decoding.md)."""
+    """`generate` and `serve`: speculative decoding (contract §10, docs/decoding.md)."""
     p.add_argument("--speculative", default=None, metavar="prompt_lookup|demo-draft|DIR",
                    help="speculative decoding with this drafter: 'prompt_lookup' (n-grams of "
                         "the prompt and output), 'demo-draft' (the demo model's draft) or a "

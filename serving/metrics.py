@@ -1,7 +1,7 @@
 """Prometheus metrics of one server (a per-app `CollectorRegistry`, so tests can build several).
 
     jaxdecode_requests_total{finish_reason}      counter: engine requests (one per choice) by
-                                                 how they ended: a SPEC §9 finish reason
+                                                 how they ended: a contract §9 finish reason
                                                  (eos, stop_sequence, max_output_tokens, ...,
                                                  cancelled, transport_error for a client that
                                                  went away) or, for a failed request, its
@@ -11,7 +11,7 @@
     jaxdecode_requests_running                   gauge: LLM.num_running (requests in slots)
     jaxdecode_requests_waiting                   gauge: LLM.num_waiting (admission queue)
     jaxdecode_prompt_tokens_total                counter: prompt tokens of every engine request
-    jaxdecode_generation_tokens_total            counter: selected output tokens (SPEC §9)
+    jaxdecode_generation_tokens_total            counter: selected output tokens (contract §9)
     jaxdecode_time_to_first_token_seconds        histogram: queued -> first token selected
     jaxdecode_inter_token_latency_seconds        histogram: between consecutive selections
     jaxdecode_queue_time_seconds                 histogram: queued -> prefill started

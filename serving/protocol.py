@@ -12,7 +12,7 @@ with HTTP 400 (never FastAPI's 422). `param` names the OpenAI field: engine and
 `max_tokens` -> `max_completion_tokens` when the request used that name).
 
 Finish reasons (`finish_reason` is OpenAI's value; `jaxdecode_finish_reason` carries the exact
-SPEC §9 reason):
+contract §9 reason):
 
     eos, stop_sequence, grammar_complete        -> "stop"
     max_output_tokens, context_limit            -> "length"

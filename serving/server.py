@@ -251,7 +251,7 @@ def add_arguments(p: Any) -> None:
     p.add_argument("--max-body-bytes", type=int, default=4 << 20,
                    help="request body limit (413 above it)")
     p.add_argument("--record-dir", default=None,
-                   help="write each request's generation record (SPEC §11) as <id>.json here")
+                   help="write each request's generation record (contract §11) as <id>.json here")
     p.add_argument("--log-prompts", action="store_true",
                    help="include prompts and outputs in the logs (off by default)")
     p.add_argument("--warmup", nargs="?", type=positive_int, const=64, default=None,

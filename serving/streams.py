@@ -1,10 +1,10 @@
-"""The server-sent events of streaming responses, kept for resumption (SPEC §6 T1-T4).
+"""The server-sent events of streaming responses, kept for resumption (contract §6 T1-T4).
 
 Each streaming HTTP response owns one `ResponseLog`: the ordered list of its SSE events
 (`data` strings: chunks, the optional usage chunk, then ``[DONE]``). An event's SSE ``id`` is its
 index in the log, so ids start at 0 and strictly increase by one. With n = 1 the log has one
 chunk per engine stream event (start -> the first, empty chunk; each delta; the terminal event),
-so the SSE id of a chunk equals the engine's `seq` (SPEC T1). With n > 1 the choices' events are
+so the SSE id of a chunk equals the engine's `seq` (contract T1). With n > 1 the choices' events are
 merged in the order the server reads them and the id is the position in that merged order.
 
 One pump task per log reads the engine streams as soon as they produce (so the engine's

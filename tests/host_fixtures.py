@@ -189,5 +189,5 @@ def _byte_level_from_items(items) -> Tokenizer:
 
 
 def s4_tokenizer() -> Tokenizer:
-    """SPEC S4: a real byte-level tokenizer with token 101 -> bytes "AB" and 102 -> "CD"."""
+    """contract S4: a real byte-level tokenizer with token 101 -> bytes "AB" and 102 -> "CD"."""
     return byte_level_from_table({101: b"AB", 102: b"CD"})

@@ -1,4 +1,4 @@
-"""Batch invariance (README, SPEC X1, docs/batch_invariance.md): a row's logits are bitwise
+"""Batch invariance (README, contract X1, docs/batch_invariance.md): a row's logits are bitwise
 equal whatever batch it sits in -- its size, its position, its neighbours -- in the prefill and
 in the decode step, in the on-device loop and in the engine at any `max_slots`; so a seeded
 request gives the same tokens alone, in any batch, and as choice 0 of `n` over HTTP.

@@ -1,4 +1,4 @@
-"""SPEC §10 beam search: parity with Hugging Face `generate(num_beams=...)` (transformers 5.x
+"""contract §10 beam search: parity with Hugging Face `generate(num_beams=...)` (transformers 5.x
 beam semantics), greedy equivalence, per-row widths and a hand-computable bigram example."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Structured output (jaxdecode/device/constraints): SPEC §3 step 2 (grammar masks), P2 (dead end),
+"""Structured output (jaxdecode/device/constraints): contract §3 step 2 (grammar masks), P2 (dead end),
 §5 (grammar acceptance), P3/X1 (constrained neighbours change nothing), and the device tables
 against outlines-core's Index.
 
@@ -97,7 +97,7 @@ def test_grammar_needs_a_tokenizer():
         jd.generate(model, {}, [[3]], sp)
 
 
-# -- exact semantics on a scripted model (SPEC §5, O1, P2) ------------------------------------
+# -- exact semantics on a scripted model (contract §5, O1, P2) ------------------------------------
 
 def _scripted_run(script, rf, **kw):
     model = ScriptedModel.make(script, vocab_size=16, eos_token_ids=(1,))
@@ -341,7 +341,7 @@ def test_grammar_P2_dead_end(mixed):
 
 
 def test_grammar_P3_mixed_batch_free_rows_unchanged(demo, mixed):
-    """Free rows get the same tokens as when their neighbours are unconstrained (SPEC P3, X1)."""
+    """Free rows get the same tokens as when their neighbours are unconstrained (contract P3, X1)."""
     model, params, tok = demo
     rows, prompts, out, _ = mixed
     plain = [jd.SamplingParams(seed=sp.seed, max_tokens=sp.max_tokens, ignore_eos=sp.ignore_eos)

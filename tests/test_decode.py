@@ -1,4 +1,4 @@
-"""SPEC §2, §3 (P2, P3), §5 (device stops), X1, and the jitted core's compile behaviour."""
+"""contract §2, §3 (P2, P3), §5 (device stops), X1, and the jitted core's compile behaviour."""
 
 import os
 import subprocess
@@ -128,7 +128,7 @@ def test_decode_logprobs_are_raw_model_logprobs(tiny):
     assert np.all(out.logprobs[0] <= lps[0, :, 0] + 1e-6)
 
 
-# -- device-side stops (SPEC §5, O1, S9) with a hand-computable model --------------------------
+# -- device-side stops (contract §5, O1, S9) with a hand-computable model --------------------------
 
 def run_steps(model, prompt, sp, steps):
     state, _, _ = decode.prepare(model, {}, [prompt], sp, None, None)

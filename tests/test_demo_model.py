@@ -233,7 +233,7 @@ class _Jitted:
 
 
 def test_consistency_O3_demo_model_in_bfloat16_within_the_declared_tolerance(main_model):
-    """SPEC O3 at bfloat16 on the shipped 8-layer model: incremental decoding matches the full
+    """contract O3 at bfloat16 on the shipped 8-layer model: incremental decoding matches the full
     recompute within `consistency.TOLERANCES["bfloat16"]` (measured: up to 0.21 apart), and the
     tolerance still catches a decode step whose position is off by one."""
     import jaxdecode as jd

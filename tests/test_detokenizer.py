@@ -1,4 +1,4 @@
-"""Incremental detokenization (SPEC §4: D1-D6) on real `tokenizers` vocabularies built in-test."""
+"""Incremental detokenization (contract §4: D1-D6) on real `tokenizers` vocabularies built in-test."""
 
 from __future__ import annotations
 
@@ -241,7 +241,7 @@ def test_detok_D2_D2a_byte_fallback_matches_reference(ids, which):
     try:
         valid = raw.decode("utf-8")
     except UnicodeDecodeError:
-        return  # HF replaces every byte of an invalid run; SPEC D2a chooses the codec
+        return  # HF replaces every byte of an invalid run; contract D2a chooses the codec
     assert out == valid == tok.decode(ids, skip_special_tokens=True)
 
 

@@ -1,4 +1,4 @@
-"""The engine `jd.LLM` (SPEC §1, §2 events, §5 S8/S9, §6, §8, §9) on hand-computable models."""
+"""The engine `jd.LLM` (contract §1, §2 events, §5 S8/S9, §6, §8, §9) on hand-computable models."""
 
 import random
 import threading

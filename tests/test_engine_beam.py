@@ -1,4 +1,4 @@
-"""SPEC §10 beam search through the engine (`SamplingParams(num_beams > 1)`, the beam lane of
+"""contract §10 beam search through the engine (`SamplingParams(num_beams > 1)`, the beam lane of
 jaxdecode/engine/beam_lane.py): the same beams and scores as `jd.beam_search`, alongside running slot
 requests, stop strings on beams, cancellation and deadlines before the call, replay."""
 

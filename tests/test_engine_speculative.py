@@ -1,6 +1,6 @@
-"""SPEC §10 speculative decoding in the engine (`jd.LLM(..., speculative={...})`): greedy output
+"""contract §10 speculative decoding in the engine (`jd.LLM(..., speculative={...})`): greedy output
 equals the plain engine's, a seeded sampled request equals `speculative_generate`'s in any slot
-(SPEC X1), stop strings and max_tokens never overshoot (S3), cancel frees the slot (C2), pause
+(contract X1), stop strings and max_tokens never overshoot (S3), cancel frees the slot (C2), pause
 resumes at the same token (B1), counters add up, bad options name the field."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What one engine step runs (engine/scheduler.py): several decode steps per call
 (`jd.LLM(decode_steps=...)`) -- the same tokens, text, endings and usage as one step per call
-(SPEC X1), multi-step calls only while nothing waits, a cancel that discards the call in flight
-(SPEC C2) -- and only the live rows' slots when they are few (compaction, the same tokens)."""
+(contract X1), multi-step calls only while nothing waits, a cancel that discards the call in flight
+(contract C2) -- and only the live rows' slots when they are few (compaction, the same tokens)."""
 
 import threading
 import types

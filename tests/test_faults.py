@@ -1,6 +1,6 @@
 """One bad request never hurts another (issue #12): a request whose data makes the device step
 fail is found and fails alone; the others go on with exactly the tokens they would have had
-(SPEC X1: a row's tokens depend only on its own request). `MarkedModel` (tests/scripted.py)
+(contract X1: a row's tokens depend only on its own request). `MarkedModel` (tests/scripted.py)
 raises inside the jitted forward for a marked input token, like a device fault."""
 
 import json

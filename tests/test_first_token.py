@@ -1,6 +1,6 @@
 """A prompt's first token is streamed as soon as its prefill ends (engine/core.py `_prefill`,
 `chunks.start_rows`), before the decode step that selects it again: the same completions as
-without it (SPEC X1: the same selection on the same row state), and the step's copy of the
+without it (contract X1: the same selection on the same row state), and the step's copy of the
 token is checked, never shown twice."""
 
 import jax

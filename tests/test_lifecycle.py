@@ -1,4 +1,4 @@
-"""Request lifecycle (SPEC §1 L1-L4), cancellation moments (§8 C1, C4), release-once (R1)."""
+"""Request lifecycle (contract §1 L1-L4), cancellation moments (§8 C1, C4), release-once (R1)."""
 
 from __future__ import annotations
 
@@ -306,7 +306,7 @@ def test_lifecycle_streamless_events_carry_seq():
 
 
 def test_lifecycle_engine_style_pipeline_S4_trace():
-    """The DESIGN pipeline end to end on the S4 fixture: event order of SPEC seed experiment A."""
+    """The architecture's pipeline end to end on the S4 fixture: the contract's event order (S4)."""
     tok = s4_tokenizer()
     stream = OrderedStream("r")
     lc = Lifecycle("r", stream=stream)

@@ -1,5 +1,5 @@
 """Parallel sampling (`SamplingParams.n`) in the device core: one prefill, n adjacent rows,
-sample 0 keyed by the request key, sample i >= 1 by fold_in(request key, i) (SPEC X1:
+sample 0 keyed by the request key, sample i >= 1 by fold_in(request key, i) (contract X1:
 reproducible from the seed; sample 0 is the request with n = 1)."""
 
 import dataclasses

@@ -1,4 +1,4 @@
-"""SPEC §3: the processor pipeline, its order, and parity with Hugging Face's processors."""
+"""contract §3: the processor pipeline, its order, and parity with Hugging Face's processors."""
 
 import numpy as np
 import pytest

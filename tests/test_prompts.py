@@ -1,4 +1,4 @@
-"""Prompts everywhere (DESIGN.md): `jd.generate`, `jd.beam_search`, `jd.speculative_generate`
+"""Prompts everywhere (docs/architecture.md): `jd.generate`, `jd.beam_search`, `jd.speculative_generate`
 and `jd.LLM` take a list of ints (one row), a list of lists, or a 1-D / 2-D integer numpy or jax
 array, all through `jaxdecode.prompts.token_rows`; anything else is a ValueError naming the
 field (`prompt_ids`, or `prompt` for the engine)."""

@@ -1,4 +1,4 @@
-"""SPEC §11 (records, replay, X1 batch invariance) and §7 B1 (pause / save / restore)."""
+"""contract §11 (records, replay, X1 batch invariance) and §7 B1 (pause / save / restore)."""
 
 import dataclasses
 import json

@@ -272,7 +272,7 @@ def test_ctx_carries_ids_counts_and_a_per_row_key(tiny):
     out = jd.generate(model, params, PROMPTS, [greedy(10, ignore_eos=True), sp, sp],
                       processors=proc)
     assert (out.processor_states[0] == 0).all()
-    # ctx.key depends on the row's seed and step only (SPEC X1): the same row alone agrees
+    # ctx.key depends on the row's seed and step only (contract X1): the same row alone agrees
     alone = jd.generate(model, params, PROMPTS[2:], sp, processors=proc)
     assert alone.tokens(0) == out.tokens(2)
     assert out.tokens(1) != jd.generate(model, params, PROMPTS, sp).tokens(1)

@@ -1,4 +1,4 @@
-"""`LLM(row_tile=...)` / `serve --row-tile` (SPEC X1, §11; docs/batch_invariance.md "Row
+"""`LLM(row_tile=...)` / `serve --row-tile` (contract X1, §11; docs/batch_invariance.md "Row
 tiles"): the rows per weight-product tile are a static engine setting. At any tile a seeded
 request gets the same tokens alone and crowded; records pin the tile and replay names a
 different one; a tile this CPU's products cannot keep invariant, or a model without tiles, is a

@@ -1,6 +1,6 @@
 """A real `jaxdecode serve` process on the demo model, driven by the official `openai` client:
 completions and chat, plain and streamed, logprobs, n = 2, 32 concurrent streams, a stream
-closed mid-way (its request is cancelled and counted as transport_error, SPEC T5), stop strings
+closed mid-way (its request is cancelled and counted as transport_error, contract T5), stop strings
 in no chunk, seeds, 400s naming the field, raw SSE ids and resume with Last-Event-ID (T4).
 
 One server for the module (started once, SIGINT at the end: it must exit 0); small max_tokens

@@ -1,4 +1,4 @@
-"""The HTTP server (serving/, DESIGN.md "Command line and HTTP", SPEC §6 T1-T5, §7, §9).
+"""The HTTP server (serving/, docs/architecture.md "Command line and HTTP", contract §6 T1-T5, §7, §9).
 
 One tiny engine and one uvicorn server on a loopback socket serve the whole module. The model is
 a HookedModel (tests/scripted.py) over a byte-level tokenizer whose ids are the bytes themselves:

@@ -1,4 +1,4 @@
-"""SPEC §10 speculative decoding: greedy output equals the target's greedy output (draft model,
+"""contract §10 speculative decoding: greedy output equals the target's greedy output (draft model,
 the target as its own draft, prompt lookup; one branch or several), the sampled distribution
 equals the target's (chi-square over thousands of seeded rows), acceptance counters add up, and
 no token past an ending is ever emitted."""
@@ -175,7 +175,7 @@ def test_speculative_bad_arguments_name_the_field(target):
 
 
 def two_token_distribution(first_logits, second_logits, sp):
-    """Exact P(y1, y2) under the SPEC §3 processors: first_logits [V], second_logits [V, V]
+    """Exact P(y1, y2) under the contract §3 processors: first_logits [V], second_logits [V, V]
     (the logits after y1). Penalties see y1 in the output (no repetition penalty here)."""
     v = first_logits.shape[0]
     p1 = np.exp(np.asarray(jd.process_logits(first_logits[None], sp), np.float64))[0]

@@ -1,4 +1,4 @@
-"""Stop strings and stop id sequences (SPEC §5), and the text pipeline endings (S4, S6, S9, §9)."""
+"""Stop strings and stop id sequences (contract §5), and the text pipeline endings (S4, S6, S9, §9)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from jaxdecode.types import DecodingError, FinishReason
 
 
 def brute_hit(text, stops):
-    """(end, length, index) of the winning hit by SPEC S5, or None."""
+    """(end, length, index) of the winning hit by contract S5, or None."""
     for end in range(1, len(text) + 1):
         cands = [(len(s), -i) for i, s in enumerate(stops) if text[:end].endswith(s)]
         if cands:
@@ -34,7 +34,7 @@ def brute_hit(text, stops):
 
 
 def brute_hold(text, stops):
-    """Length of the longest suffix of `text` that is a prefix of some stop (SPEC S2)."""
+    """Length of the longest suffix of `text` that is a prefix of some stop (contract S2)."""
     best = 0
     for s in stops:
         for k in range(1, min(len(s), len(text)) + 1):
@@ -77,7 +77,7 @@ def test_stop_S4_cross_token_fixture_pipeline():
     final = pipe.finish(FinishReason.MAX_OUTPUT_TOKENS)
     assert final.text == "" and final.finish_reason is FinishReason.STOP_SEQUENCE
     assert pipe.text == "A"
-    assert pipe.returned_tokens == 1  # SPEC §9: stop completing on the 2nd token -> returned 1
+    assert pipe.returned_tokens == 1  # contract §9: stop completing on the 2nd token -> returned 1
 
 
 def test_stop_S1_spans_many_tokens():

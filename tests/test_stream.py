@@ -1,4 +1,4 @@
-"""Ordered streaming protocol (SPEC §6 T1-T7) and back-pressure (§7)."""
+"""Ordered streaming protocol (contract §6 T1-T7) and back-pressure (§7)."""
 
 from __future__ import annotations
 

@@ -142,7 +142,7 @@ def add_parser(sub) -> None:
                    help="when a beam search ends, with HF's meaning (with --num-beams)")
     g.add_argument("--no-stream", action="store_true", help="print the text once at the end")
     g.add_argument("--json", action="store_true", help="print one JSON object with text and usage")
-    g.add_argument("--record", help="write the generation record (SPEC §11) to this JSON file")
+    g.add_argument("--record", help="write the generation record (contract §11) to this JSON file")
     add_speculative_arguments(g)
     add_batch_invariance_argument(g)
     g.set_defaults(func=cmd_generate)

@@ -1,4 +1,4 @@
-"""`jaxdecode replay FILE`: re-run a generation record (SPEC §11)."""
+"""`jaxdecode replay FILE`: re-run a generation record (contract §11)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Beam search on device (SPEC §10), with Hugging Face transformers 5.x beam semantics.
+"""Beam search on device (contract §10), with Hugging Face transformers 5.x beam semantics.
 
 `beam_search` prefills each prompt once (B rows), broadcasts the cache to B * W rows (W = the
 widest beam width) and runs the whole search in one `lax.while_loop`. Beams are a batched axis:
@@ -403,7 +403,7 @@ def beam_search(model: DecoderModel, params: Any, prompt_ids: Sequence[Sequence[
                 eos_token_ids: Optional[Sequence[int]] = None,
                 response_format: Optional[dict] = None, tokenizer: Any = None,
                 processors: Sequence[Any] = (), batch_invariant: bool = True) -> GenerateOutput:
-    """Beam search over ragged prompts, entirely on device (DESIGN.md `jd.beam_search`).
+    """Beam search over ragged prompts, entirely on device (docs/architecture.md `jd.beam_search`).
 
     num_beams: one width for every row, or one per row (padded to the widest and masked).
     length_penalty, early_stopping (True / False / "never"), max_new_tokens, min_new_tokens and

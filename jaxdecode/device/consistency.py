@@ -1,4 +1,4 @@
-"""SPEC O3: prefill + repeated decode steps give the logits of a full recompute of each prefix."""
+"""contract O3: prefill + repeated decode steps give the logits of a full recompute of each prefix."""
 
 from __future__ import annotations
 

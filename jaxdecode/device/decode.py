@@ -1,5 +1,5 @@
 """The jitted device core: `prefill`, `decode_step` and the on-device `generate` loop
-(SPEC §2, §5).
+(contract §2, §5).
 
 One loop body, two drivers: `decode_step` is the body; `generate` runs it inside
 `lax.while_loop` (one dispatch for the whole generation; the engine runs the same loop for a
@@ -7,11 +7,11 @@ few steps per call, `decode_steps_jit`) or, with `trace=False`, from a Python lo
 debugging). Each driver is batch invariant (docs/batch_invariance.md); the two compile the step
 differently, so their logits can differ in the last bit and a near-tie can pick another token.
 
-Off-by-one convention (SPEC O1): `decode_step` selects y_t from the logits of prompt + y[1:t-1];
+Off-by-one convention (contract O1): `decode_step` selects y_t from the logits of prompt + y[1:t-1];
 if y_t ends its row (EOS, stop id, max_tokens, context limit, a dead end) it is never written;
 otherwise it is written at position m + t - 1 (= `cache.lengths`) and z_{t+1} is computed.
 
-Token-level stops are decided here, with zero wasted steps, in this priority (SPEC S9): a model
+Token-level stops are decided here, with zero wasted steps, in this priority (contract S9): a model
 error (NaN logits), every token masked (on a constrained row: grammar_dead_end), EOS, a stop
 id, grammar completion, max_tokens, the context limit. Constraints: jaxdecode/device/constraints.
 """
@@ -544,7 +544,7 @@ def generate(model: DecoderModel, params: Any, prompt_ids: Sequence[Sequence[int
              return_hidden_states: Sequence[Any] = (), outputs_top_k: int = 0,
              observers: Sequence[Any] = (), host_callback: Any = None,
              interventions: Sequence[Any] = (), batch_invariant: bool = True) -> GenerateOutput:
-    """Decode ragged prompts entirely on device (DESIGN.md `jd.generate`).
+    """Decode ragged prompts entirely on device (docs/architecture.md `jd.generate`).
 
     A row's randomness comes from its seed; `key` serves rows with seed=None (row r uses
     fold_in(key, r)). `max_new_tokens` defaults to the largest max_tokens and caps every row.

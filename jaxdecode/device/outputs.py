@@ -17,12 +17,12 @@ from jaxdecode.device.stops import ERRORS, FAILED_CODES, FINISH_REASONS
 
 @dataclasses.dataclass(frozen=True)
 class GenerateOutput:
-    """Host results of `generate` (DESIGN.md).
+    """Host results of `generate` (docs/architecture.md).
 
     token_ids int32[B, N]: every selected token of each row, including the EOS / stop id that
     ended it (as HF `generate` does), padded with -1 after the row's end; lengths int32[B];
     finish_reasons: one FinishReason per row; errors: None per row, or the ErrorCode of a row that
-    failed (`model_error` for NaN logits, `all_tokens_masked` -- SPEC P2 -- when every token was
+    failed (`model_error` for NaN logits, `all_tokens_masked` -- contract P2 -- when every token was
     masked, `grammar_dead_end` when that happens on a constrained row; its finish reason is then
     `model_error`; a constrained row whose grammar accepts and allows nothing more ends with
     `grammar_complete`); logprobs f32[B, N]: the raw model log-probability of each selected token

@@ -1,4 +1,4 @@
-"""Logit processing in the versioned order of SPEC §3 (`processor_order="v1"`).
+"""Logit processing in the versioned order of contract §3 (`processor_order="v1"`).
 
 1. repetition (HF: divide positive / multiply negative logits of ids seen in prompt or output),
    frequency and presence (OpenAI: subtract count * f + [count > 0] * p over output ids),
@@ -11,7 +11,7 @@
    smallest set whose mass reaches p; min-p drops tokens below min_p * the top probability)
 5. renormalisation (log-softmax)
 
-Every processor is vectorised over rows with that row's own parameters (SPEC P3), and its sums
+Every processor is vectorised over rows with that row's own parameters (contract P3), and its sums
 use `numerics` (a row's result never depends on the other rows: docs/batch_invariance.md).
 Selection (step 6) lives in `sampling.py`. User-defined processors
 (jaxdecode/device/research.py) run
@@ -84,7 +84,7 @@ def apply_truncation(logits: Array, rows: RowParams) -> Array:
 
 def process(logits: Array, rows: RowParams, counts: Array, seen: Array, step: Array,
             grammar: Optional[tuple] = None, custom: Optional[Callable] = None) -> Array:
-    """SPEC §3 steps 1-5: raw logits f32[B, V] -> log-probabilities (-inf where removed).
+    """contract §3 steps 1-5: raw logits f32[B, V] -> log-probabilities (-inf where removed).
 
     Rows with temperature 0 get their penalised and masked logits renormalised; their selection
     is the argmax (`sampling.select`). `grammar` = (GrammarTables, int32[B] states) or None.
@@ -103,7 +103,7 @@ def process(logits: Array, rows: RowParams, counts: Array, seen: Array, step: Ar
     else:  # temperature divides greedy rows by 1 (exact); truncation skips them
         x = custom("after_temperature", apply_temperature(custom("after_penalties", x), rows))
         x = custom("last", jnp.where(greedy, x, apply_truncation(x, rows)))
-    all_masked = jnp.all(jnp.isneginf(x), axis=-1, keepdims=True)  # SPEC P2: -inf, never NaN
+    all_masked = jnp.all(jnp.isneginf(x), axis=-1, keepdims=True)  # contract P2: -inf, never NaN
     return jnp.where(all_masked, -jnp.inf, numerics.log_softmax(x))
 
 
@@ -124,7 +124,7 @@ def _process_jit(logits, rows, counts, seen, step):
 
 def process_logits(logits, sampling: Sequence[SamplingParams] | SamplingParams,
                    output_ids=None) -> Array:
-    """Public pipeline of SPEC §3 for notebooks and tests (DESIGN.md).
+    """Public pipeline of contract §3 for notebooks and tests (docs/architecture.md).
 
     logits f32[B, V]; one SamplingParams per row (or one for all); output_ids int32[B, N] padded
     with -1 is the history the penalties see. Returns log-probabilities f32[B, V]."""

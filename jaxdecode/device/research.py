@@ -5,7 +5,7 @@ Custom processors
 -----------------
 `LogitProcessor(fn, position="last", init_state=None)` wraps a pure function
 `fn(logits f32[B, V], ctx) -> logits` or, with `init_state`, `fn(logits, ctx, state) ->
-(logits, state)`. It runs at one point of the SPEC §3 order (`processors.process`):
+(logits, state)`. It runs at one point of the contract §3 order (`processors.process`):
 
     "first"              on the raw logits, before the penalties
     "after_penalties"    after penalties, logit bias, bans and masks (steps 1-2), before

@@ -1,4 +1,4 @@
-"""Selection, SPEC §3 step 6, with per-request keys (SPEC X1).
+"""Selection, contract §3 step 6, with per-request keys (contract X1).
 
 The key of row r at step t (1-based) is `fold_in(request_key[r], t)`: it depends only on the
 request's seed and the step, never on the row's slot or on its neighbours. Rows with

@@ -1,4 +1,4 @@
-"""The decoding state pytrees (SPEC §2): per-row settings as arrays, and the step state.
+"""The decoding state pytrees (contract §2): per-row settings as arrays, and the step state.
 
 Static vs dynamic: batch size, vocabulary and cache length are shapes (static); every
 per-request value -- temperature, limits, seeds, stop ids -- is an array entry, so a new request
@@ -21,20 +21,20 @@ Array = jax.Array
 # Device finish codes (0 = still running). Mapped to FinishReason / ErrorCode on the host.
 RUNNING, EOS, STOP_TOKEN, MAX_TOKENS, CONTEXT_LIMIT, ALL_MASKED, MODEL_ERROR = range(7)
 # constraints (jaxdecode/device/constraints): the grammar accepted and allows nothing more; every token
-# masked on a constrained row (SPEC P2, ErrorCode.GRAMMAR_DEAD_END)
+# masked on a constrained row (contract P2, ErrorCode.GRAMMAR_DEAD_END)
 GRAMMAR_COMPLETE, GRAMMAR_DEAD_END = 7, 8
 
 
 @struct.dataclass
 class RowParams:
-    """Per-row sampling settings as device arrays (SPEC P3). B = rows, V = vocabulary.
+    """Per-row sampling settings as device arrays (contract P3). B = rows, V = vocabulary.
 
     temperature, top_p, min_p, repetition_penalty, frequency_penalty, presence_penalty: f32[B]
     top_k, max_tokens, min_tokens: int32[B]
     bias:     f32[B, V]  logit_bias, with -inf at banned ids
     eos_mask: bool[B, V] ids that end the request with `eos` (empty when ignore_eos)
     stop_mask: bool[B, V] single stop_token_ids (`stop_sequence`)
-    keys:     uint32[B, 2] per-request base PRNG key data (SPEC X1)
+    keys:     uint32[B, 2] per-request base PRNG key data (contract X1)
     """
 
     temperature: Array
@@ -100,7 +100,7 @@ class RowState:
     counts:     int32[B, V] occurrences of each id in the output (frequency/presence penalties)
     seen:       bool[B, V] ids present in prompt or output (repetition penalty, HF semantics)
     done:       bool[B] the row has ended (or its slot is empty); it selects and writes nothing
-    paused:     bool[B] the row skips steps and stays exactly as it is (back-pressure, SPEC B1)
+    paused:     bool[B] the row skips steps and stays exactly as it is (back-pressure, contract B1)
     finish:     int32[B] device finish code (RUNNING while live)
     """
 
@@ -119,7 +119,7 @@ class RowState:
 
 @struct.dataclass
 class StepState(RowState):
-    """Everything the decode step needs before selecting token t of each row (SPEC §2): the
+    """Everything the decode step needs before selecting token t of each row (contract §2): the
     per-row fields of `RowState` and
 
     cache:      KVCache covering prompt + y[1:t-1] of each row (its `lengths` is where y_t goes)

@@ -1,4 +1,4 @@
-"""Device stop decisions (SPEC §5, S9, P2): one finish-code function over `[B, K]` tokens.
+"""Device stop decisions (contract §5, S9, P2): one finish-code function over `[B, K]` tokens.
 
 A plain decode step decides one token per row (K = 1); a speculative round decides its k + 1
 candidate positions at once. Both call `finish_codes`, so the priority below exists once:

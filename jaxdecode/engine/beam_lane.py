@@ -1,4 +1,4 @@
-"""The engine's beam lane: `SamplingParams(num_beams > 1)` through `jd.LLM` (SPEC §10).
+"""The engine's beam lane: `SamplingParams(num_beams > 1)` through `jd.LLM` (contract §10).
 
 A beam request is not streamed token by token: beams reorder until the search ends, so (as in
 HF `generate` and vLLM's beam search) its results are final. The engine thread takes the beam
@@ -39,7 +39,7 @@ lower-ranked beam shorter than the limit without an ending id completed its gram
 limit -> max_output_tokens, or context_limit when `max_len` capped max_tokens. `score` stays
 the search's score of the whole hypothesis (a stop cut does not rescore).
 
-Usage (SPEC §9), as if the request had selected its tokens one by one: selected = kept tokens;
+Usage (contract §9), as if the request had selected its tokens one by one: selected = kept tokens;
 processed = those the search wrote into the cache (all but the hypothesis' last token);
 returned = the pipeline's count. Cancels and deadlines are observed before the call (queued
 requests: the engine thread's queue sweep); a cancel that arrives during the call discards its

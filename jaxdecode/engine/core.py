@@ -9,7 +9,7 @@ Each dispatched step carries which request owned each slot (the output processor
 guard). Every device call is a step op (step_ops.py), published to the step hook first so that
 `serve --distributed` followers apply the same op.
 
-Faults (SPEC §1, "one bad request never hurts another"): a failed device step starts
+Faults (contract §1, "one bad request never hurts another"): a failed device step starts
 `recover`: every running request is a suspect, rebuilt in a fresh state from its prompt and the
 tokens it already selected, and groups of suspects are retried, halving
 (`faults.find_culprits`), so the request that fails alone ends FAILED (`model_error`) and the

@@ -1,4 +1,4 @@
-"""Finding the request behind a failure: retry the work without it (SPEC §1 "one bad request
+"""Finding the request behind a failure: retry the work without it (contract §1 "one bad request
 never hurts another").
 
 `find_culprits(items, attempt)` runs `attempt(items)`; when it raises, it halves the group and

@@ -33,7 +33,7 @@ Prompt = admission.Prompt
 
 
 class LLM:
-    """The engine of DESIGN.md: `generate`, `stream`, `submit`, `close`; thread-safe.
+    """The engine of docs/architecture.md: `generate`, `stream`, `submit`, `close`; thread-safe.
 
     Per-request bounds: `max_num_beams`, `max_n`; `max_constraint_compile_s` and
     `max_constraint_states` make the `CompileBudget` of a response_format compile.
@@ -183,7 +183,7 @@ class LLM:
         self._enqueue([r], block=True)
         return self._handle(r).result()
 
-    # -- pause, save, restore (SPEC B1, records.py) ---------------------------------------------
+    # -- pause, save, restore (contract B1, records.py) ---------------------------------------------
 
     def save_request(self, handle: RequestHandle, path: str, timeout: float = 60.0) -> str:
         """Pause `handle` and write its slice of the decoding state to `path` (records.py); the
@@ -251,7 +251,7 @@ class LLM:
     def num_running(self) -> int:
         return self._scheduler.num_running
 
-    # -- reproducibility (SPEC §11) ---------------------------------------------------------------
+    # -- reproducibility (contract §11) ---------------------------------------------------------------
 
     @property
     def params_hash(self) -> str:

@@ -1,19 +1,19 @@
 """The output processor: the only loop over a step's rows. Tokens -> text pipeline -> stream
-events and endings (SPEC §4-§6, §8, §9).
+events and endings (contract §4-§6, §8, §9).
 
 A processed step is a `Dispatched` record: the backend's output, which request owned each slot
 when it was dispatched, and its top-k. For each row whose request still owns its slot and is
 still live (the duplicate guard: a token selected after a request's terminal event is never
-emitted, SPEC L3), each of its K tokens goes through `on_token` in order -- the earlier ones
+emitted, contract L3), each of its K tokens goes through `on_token` in order -- the earlier ones
 RUNNING, the last with the step's finish code -- until the request ends; the rest is dropped.
-Cancels observed here end the request and discard what its step produced (SPEC L4).
+Cancels observed here end the request and discard what its step produced (contract L4).
 
 Endings (`end`, `end_cancelled`, `fail`) end a request exactly once and release its slot once
-(SPEC L1, R1). They are the `OutputSink` the beam lane delivers its finished beams through.
+(contract L1, R1). They are the `OutputSink` the beam lane delivers its finished beams through.
 Host work for one request runs `isolated`: an exception fails that request alone
 (`decoding_error`), never the engine thread.
 
-Usage (SPEC §9): selected = tokens the device chose for the request; processed = those written
+Usage (contract §9): selected = tokens the device chose for the request; processed = those written
 into the cache while the request went on (`decode.completed`); returned = those whose text was
 returned. With several endings on one token the one that ends the text wins (S9). Each delta
 carries the logprob entries of the tokens that became returned since the previous delta and
@@ -123,7 +123,7 @@ class OutputProcessor:
         """(slot, request) for each row of a processed step whose request still owns its slot
         and goes on. Settles the in-flight counts first; a request that ended after the step
         was sent is skipped (the duplicate guard), a cancelled one ends here and its in-flight
-        result is discarded (SPEC L4)."""
+        result is discarded (contract L4)."""
         for r in step.owners:
             if r is not None:
                 r.in_flight -= 1

@@ -6,7 +6,7 @@ output (`pages_for`: prompt + max_tokens, reserved at admission, so a running re
 waits for memory). Pages are reference counted: samples of one prompt and requests with a
 cached prefix map the same pages.
 
-Prefix caching (SPEC: exactness by construction). A page's key is a chained hash over full
+Prefix caching (exactness by construction, contract §2). A page's key is a chained hash over full
 pages: parent key + the page's token ids + the shape of the prefill program that computed it
 (the chunk length T: a row's arithmetic depends on the program's shape, so pages computed by
 programs of different T are different pages) + the model snapshot. Prefill chunks start at

@@ -1,5 +1,5 @@
-"""What a request leaves behind: its generation record (SPEC §11, jaxdecode/replay.py) with
-the engine's content hashes, and its decoding state saved to disk and back (SPEC §7 B1: pause /
+"""What a request leaves behind: its generation record (contract §11, jaxdecode/replay.py) with
+the engine's content hashes, and its decoding state saved to disk and back (contract §7 B1: pause /
 save / restore).
 
 A saved request is its slice of the device state -- cache up to its length, logits, last

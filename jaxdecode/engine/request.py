@@ -2,7 +2,7 @@
 (`RequestHandle`).
 
 `Request` is what the engine layers share -- the settings the device runs, the host text
-pipeline, the lifecycle and its stream, the counters of SPEC §9, where it sits (slot, steps in
+pipeline, the lifecycle and its stream, the counters of contract §9, where it sits (slot, steps in
 flight). Only the engine thread changes it, except the two flags a user may set from any thread
 (cancel, through the lifecycle; pause). `RequestHandle` is what `LLM.submit` returns: events,
 trace, result, cancel / pause / resume, and read-only properties (text, usage, token offsets)
@@ -146,7 +146,7 @@ class RequestHandle:
 
     @property
     def selected(self) -> int:
-        """Tokens selected so far (SPEC §9 `selected_tokens`)."""
+        """Tokens selected so far (contract §9 `selected_tokens`)."""
         return self._request.selected
 
     @property
@@ -175,7 +175,7 @@ class RequestHandle:
         return self._request.lifecycle.stream.iter(timeout)
 
     def events_after(self, seq: int) -> list[Event]:
-        """The buffered stream events after `seq` (SPEC T4: resume after a reconnect)."""
+        """The buffered stream events after `seq` (contract T4: resume after a reconnect)."""
         return self._request.lifecycle.stream.events_after(seq)
 
     def next_event(self) -> Optional[Event]:
@@ -205,12 +205,12 @@ class RequestHandle:
     # -- control --------------------------------------------------------------------------------
 
     def cancel(self) -> None:
-        """Ask for cancellation; returns at once, idempotent, a no-op once ended (SPEC C4)."""
+        """Ask for cancellation; returns at once, idempotent, a no-op once ended (contract C4)."""
         if self._request.lifecycle.request_cancel():
             self._wake()
 
     def pause(self) -> None:
-        """Stop scheduling this request's steps; its state stays exactly as it is (SPEC B1).
+        """Stop scheduling this request's steps; its state stays exactly as it is (contract B1).
         Returns at once; `LLM.save_request` waits until no step of it is in flight."""
         self._request.settled.clear()
         self._request.user_paused = True

@@ -347,7 +347,7 @@ class Scheduler:
     def plan(self, kv_needed: Callable[[Request, int], int], logprobs_k: int,
              decode_steps: int = 1, compact: bool = False) -> StepPlan:
         """The next step over the slots: rows paused by their user or by back-pressure skip it
-        (their state untouched, SPEC B1); pause changes are recorded in the trace. It runs
+        (their state untouched, contract B1); pause changes are recorded in the trace. It runs
         `decode_steps` steps when nothing waits, and with `compact` only the live rows' slots
         when they are few (module docstring)."""
         owners = list(self.slots)

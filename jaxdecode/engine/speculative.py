@@ -1,4 +1,4 @@
-"""Speculative decoding in the engine (SPEC §10): the `speculative=` option and its counters.
+"""Speculative decoding in the engine (contract §10): the `speculative=` option and its counters.
 
 `jd.LLM(..., speculative={"draft": (draft_model, draft_params) | "prompt_lookup", "k": 4,
 "ngram_max": 3, "ngram_min": 1, "num_branches": 1})` makes every engine step one
@@ -13,8 +13,8 @@ hold at least `max_len` positions.
 Each admitted request is prefilled alone at its own prompt bucket (batch invariance) -- the
 target and the draft, their caches rolled back by one (the last prompt token is pending, the
 round's convention), the prompt copied into the history -- and scattered into a free slot. A
-paused row is not live in a round; nothing of it advances (SPEC B1). A row's keys are its
-request's (`fold_in(request_key, t)` per output index t, SPEC X1), so a seeded request emits
+paused row is not live in a round; nothing of it advances (contract B1). A row's keys are its
+request's (`fold_in(request_key, t)` per output index t, contract X1), so a seeded request emits
 exactly what `speculative_generate` emits for it, whatever its slot and neighbours. The output
 processor feeds each emitted token through the usual per-token path in order, so stop strings,
 detokenization, the duplicate guard, cancel and deadlines work unchanged; tokens after a

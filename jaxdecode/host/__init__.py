@@ -1,4 +1,4 @@
-"""Host-side request pipeline (DESIGN.md "Host side"): pure Python, never calls ``jax.jit``.
+"""Host-side request pipeline (docs/architecture.md "Host side"): pure Python, never calls ``jax.jit``.
 
 Per request: ``token id -> IncrementalDetokenizer.push -> StopMatcher.push ->
 OrderedStream.emit(delta) ... terminal event exactly once (Lifecycle)``; `TextPipeline` bundles

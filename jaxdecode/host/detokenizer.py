@@ -1,4 +1,4 @@
-"""Incremental detokenization (SPEC §4: D1-D6).
+"""Incremental detokenization (contract §4: D1-D6).
 
 `IncrementalDetokenizer` turns selected token ids into text, one id at a time.
 
@@ -37,7 +37,7 @@ Rules implemented
 - D1: eager release -- every complete character is returned by the push that completes it.
 - D2a: ``errors="replace"`` gives exactly ``bytes.decode("utf-8", "replace")`` of the concatenated
   token bytes (the standard maximal-subpart rule; for byte-fallback vocabularies HF's decoder
-  replaces every byte of an invalid run instead -- we follow the SPEC, not HF, there).
+  replaces every byte of an invalid run instead -- we follow the contract, not HF, there).
   ``errors="strict"`` raises `jaxdecode.types.DecodingError` from the push that reveals an
   invalid byte (bytes mode).
 - D2b: prompt priming -- the output holds exactly the characters whose first byte comes from an
@@ -544,7 +544,7 @@ _WINDOW_MAX_BACK = 24  # how far back the prompt window may reach to start on a 
 
 
 class IncrementalDetokenizer:
-    """Token ids in, complete characters out (SPEC §4).
+    """Token ids in, complete characters out (contract §4).
 
     ``push(token_id) -> str``: the characters completed by this token (D1, eager).
     ``finish() -> str``: the legal tail (D4); strict raises `DecodingError`.

@@ -1,4 +1,4 @@
-"""The request lifecycle of SPEC §1 (L1-L4), the per-request trace, and release-once cleanup (R1).
+"""The request lifecycle of contract §1 (L1-L4), the per-request trace, and release-once cleanup (R1).
 
 The state machine is data: `TRANSITIONS` maps each state to the states it may move to, and
 anything else raises `IllegalTransition`:
@@ -85,7 +85,7 @@ TERMINAL_EVENT_KIND: Mapping[RequestState, str] = MappingProxyType(
 
 
 class IllegalTransition(RuntimeError):
-    """A transition that `TRANSITIONS` does not allow (SPEC §1)."""
+    """A transition that `TRANSITIONS` does not allow (contract §1)."""
 
     def __init__(self, from_state: RequestState, to_state: RequestState, detail: str = ""):
         self.from_state = from_state
@@ -135,7 +135,7 @@ class Trace:
 
 
 class Lifecycle:
-    """One request's state, terminal event and trace (SPEC §1, §8, R1)."""
+    """One request's state, terminal event and trace (contract §1, §8, R1)."""
 
     def __init__(
         self,

@@ -1,4 +1,4 @@
-"""One request's text pipeline: ids -> detokenizer -> stop matchers -> safe text (SPEC §4, §5, §9).
+"""One request's text pipeline: ids -> detokenizer -> stop matchers -> safe text (contract §4, §5, §9).
 
 `TextPipeline` glues `StopSequenceMatcher` (stop id sequences, on the id stream),
 `IncrementalDetokenizer` and `StopMatcher` (stop strings, on the text) in that order:
@@ -26,7 +26,7 @@ Endings
 - ``cancelled``: `cancel()` -- held text and pending bytes are dropped; the already returned
   prefix is unchanged.
 
-Usage: ``returned_tokens`` counts output tokens whose text was returned (SPEC §9): on a stop,
+Usage: ``returned_tokens`` counts output tokens whose text was returned (contract §9): on a stop,
 the tokens whose text starts before the stop point (after it, with ``include_stop_in_output``);
 on a cancel, those whose text starts before the end of the returned text; otherwise every token
 pushed into the detokenizer. Example S4: 101 "AB", 102 "CD", stop "BCD" -> text "A",

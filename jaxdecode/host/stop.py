@@ -1,4 +1,4 @@
-"""Text-level and id-level stop matching (SPEC §5: S1-S7).
+"""Text-level and id-level stop matching (contract §5: S1-S7).
 
 `StopMatcher` watches the detokenized text, `StopSequenceMatcher` the selected id stream.
 Both run one Aho-Corasick automaton (full transition table, built once per matcher) over
@@ -41,7 +41,7 @@ __all__ = [
     "IdStopResult",
 ]
 
-STOP_RULE_VERSION = "v1"  # earliest end, then longest, then list order (SPEC S5)
+STOP_RULE_VERSION = "v1"  # earliest end, then longest, then list order (contract S5)
 
 
 class StopHit(NamedTuple):
@@ -137,7 +137,7 @@ def _automaton(patterns: Tuple[Tuple[Hashable, ...], ...]) -> _Automaton:
 
 
 class StopMatcher:
-    """Stop strings over the detokenized text with minimal hold-back (SPEC S1-S7).
+    """Stop strings over the detokenized text with minimal hold-back (contract S1-S7).
 
     ``push(text) -> StopResult(safe, hit)``; ``flush() -> str`` at a non-stop ending;
     ``discard()`` at a cancel. ``held`` is the text currently held back; ``hit_span`` the
@@ -283,7 +283,7 @@ def _as_id_tuple(entry: Union[int, Sequence[int]]) -> Tuple[int, ...]:
 
 
 class StopSequenceMatcher:
-    """Stop token-id sequences on the selected id stream (SPEC S8), with minimal hold-back.
+    """Stop token-id sequences on the selected id stream (contract S8), with minimal hold-back.
 
     ``sequences``: single ids or tuples of ids. ``push(token_id) -> IdStopResult(safe, hit)``
     where ``safe`` are the ids that can no longer be part of a match (pass them on to the

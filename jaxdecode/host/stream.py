@@ -1,4 +1,4 @@
-"""The ordered per-request event stream (SPEC §6 T1-T7, §7 back-pressure).
+"""The ordered per-request event stream (contract §6 T1-T7, §7 back-pressure).
 
 `OrderedStream` is written by the engine (one producer) and read by one consumer at a time
 (HTTP handler, `llm.stream()` iterator); all methods are thread-safe.
@@ -37,7 +37,7 @@ Back-pressure (§7): the unsent events (appended, not yet taken by the reader) a
   ``2 * max_buffered``; past it the stream overflows as below, so it never grows without bound.
 - ``buffer``: keep generating and buffer up to the bound; the first delta that does not fit
   overflows the stream.
-- ``fail``: the same mechanism as ``buffer`` (SPEC: "buffer (up to the bound), then fail"),
+- ``fail``: the same mechanism as ``buffer`` (contract §7: "buffer (up to the bound), then fail"),
   accepted as an explicit name for it.
 
 Overflow: the delta is dropped, ``overflowed`` becomes True (the engine should then fail the
@@ -87,7 +87,7 @@ class ResumeUnavailable(LookupError):
 
 @dataclasses.dataclass
 class Timings:
-    """Per-request wall-clock seconds by phase (SPEC T7)."""
+    """Per-request wall-clock seconds by phase (contract T7)."""
 
     queue_s: float = 0.0
     prefill_s: float = 0.0

@@ -1,4 +1,4 @@
-"""Search and speculation (SPEC §10): beam search against greedy decoding, speculative decoding
+"""Search and speculation (contract §10): beam search against greedy decoding, speculative decoding
 (a draft model and prompt lookup, several k) against plain decoding."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Structured output: regex / JSON-schema / choice constraints as token-level automata that
-live on the device (DESIGN.md `constraints/`; SPEC §3 step 2, P2, §5 grammar acceptance).
+live on the device (docs/architecture.md `constraints/`; contract §3 step 2, P2, §5 grammar acceptance).
 
 Pipeline
 
@@ -17,12 +17,12 @@ Pipeline
                                           bucketed to powers of two (tables.py)
       -> StepState.grammar / .grammar_state   tables + int32[B] per-row state (-1 = free)
 
-Inside the jitted decode step (decode.py): the grammar mask is SPEC §3 step 2
+Inside the jitted decode step (decode.py): the grammar mask is contract §3 step 2
 (`tables.mask_logits`); after selection `tables.next_state` advances each constrained row;
 finish codes: every token masked on a constrained row -> GRAMMAR_DEAD_END (FAILED,
-ErrorCode.GRAMMAR_DEAD_END, SPEC P2: never NaN, never an unconstrained token); a token that
+ErrorCode.GRAMMAR_DEAD_END, contract P2: never NaN, never an unconstrained token); a token that
 reaches an accepting state with no continuation -> GRAMMAR_COMPLETE (FinishReason
-.GRAMMAR_COMPLETE; like EOS the final token is selected but not written, SPEC O1); EOS is
+.GRAMMAR_COMPLETE; like EOS the final token is selected but not written, contract O1); EOS is
 allowed exactly in accepting states and ends the row with `eos`. A row with ignore_eos never gets
 EOS from its grammar (it ends by completion, max_tokens or a dead end). min_tokens masks EOS as
 usual; completion is not delayed by min_tokens.

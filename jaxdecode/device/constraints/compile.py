@@ -3,7 +3,7 @@
 A `CompiledIndex` is one constraint's token-level automaton over a `TokenVocab`:
 
     states are renumbered 0..S-1 in BFS order from the initial state (initial = 0);
-    accepting:  bool[S]   the output may end here (EOS allowed, SPEC §5 grammar acceptance)
+    accepting:  bool[S]   the output may end here (EOS allowed, contract §5 grammar acceptance)
     indptr:     int32[S+1], tokens: int32[E] (sorted within a state), targets: int32[E]
                 the CSR transition list: state s on token tokens[k] goes to targets[k],
                 k in [indptr[s], indptr[s+1]). EOS is never an edge (outlines-core's EOS
@@ -12,7 +12,7 @@ A `CompiledIndex` is one constraint's token-level automaton over a `TokenVocab`:
 outlines-core refuses patterns with a state the vocabulary cannot leave (its Index build fails);
 we turn that, and a pattern that does not parse, into `ValueError("response_format: ...")`.
 A non-accepting state with no edge (which outlines-core should never produce) is also rejected,
-so every dead end at run time comes from other masks (banned ids, min_tokens), SPEC P2.
+so every dead end at run time comes from other masks (banned ids, min_tokens), contract P2.
 
 Bounded work: every compile first passes `limits.check_pattern` (length and an automaton-size
 estimate against the state cap). With a `CompileBudget` (the engine always gives one) the Index

@@ -166,7 +166,7 @@ def allowed_tokens(tables: GrammarTables, state: Array, eos_mask: Array) -> Arra
 
 
 def mask_logits(logits: Array, tables: GrammarTables, state: Array, eos_mask: Array) -> Array:
-    """SPEC §3 step 2 (grammar mask): -inf where a constrained row's grammar forbids a token."""
+    """contract §3 step 2 (grammar mask): -inf where a constrained row's grammar forbids a token."""
 
     def masked(x):
         return jnp.where(allowed_tokens(tables, state, eos_mask), x, -jnp.inf)

@@ -1,4 +1,4 @@
-"""Speculative decoding on device (SPEC §10): a draft proposes k tokens, the target verifies them
+"""Speculative decoding on device (contract §10): a draft proposes k tokens, the target verifies them
 in one forward pass of k + 1 positions.
 
 One loop body, two drivers: `spec_round` (round.py) is one verify round over a `SpecState`
@@ -19,7 +19,7 @@ Draft kinds
 
 Verification (Leviathan et al. / Chen et al.)
 ---------------------------------------------
-p_i and q_i are the PROCESSED distributions of SPEC §3 (`processors.process`: penalties, bias,
+p_i and q_i are the PROCESSED distributions of contract §3 (`processors.process`: penalties, bias,
 bans, min_tokens, temperature, top-k/p, min-p), each evaluated with the penalty counts and the
 step index of its own position -- the counts are advanced token by token through the proposed
 run, so penalties are exact, not only in penalty-free settings. Draft token d_i is accepted with
@@ -30,7 +30,7 @@ when it is the target's argmax, and take the argmax at the first mismatch: their
 plain greedy decoding token for token. A sampled row's output follows the target's distribution
 exactly, but is not the same sample as `jd.generate` with the same seed (different streams).
 
-Keys (SPEC X1)
+Keys (contract X1)
 --------------
 The token at output index t (1-based) of a row uses `kt = fold_in(request_key, t)` and then
 `fold_in(kt, 0)` to sample the draft proposal, `fold_in(kt, 1)` for the acceptance uniform and

@@ -137,7 +137,7 @@ def speculative_generate(target: DecoderModel, target_params: Any,
                          ngram_max: int = 3, ngram_min: int = 1,
                          tokenizer: Any = None, processors: Sequence[Any] = (),
                          batch_invariant: bool = True) -> SpeculativeOutput:
-    """Speculative decoding (DESIGN.md `jd.speculative_generate`); see the package docstring.
+    """Speculative decoding (docs/architecture.md `jd.speculative_generate`); see the package docstring.
 
     draft: a DecoderModel with the target's vocabulary, or "prompt_lookup" (draft_params is then
     ignored). Each row's length comes from its max_tokens, its randomness from its seed (`key`

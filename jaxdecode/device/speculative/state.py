@@ -1,4 +1,4 @@
-"""The speculative round's state and outputs (SPEC §10), its static configuration, and the
+"""The speculative round's state and outputs (contract §10), its static configuration, and the
 pieces the proposal and the verification share: per-purpose keys, selection, processing."""
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ class SpeculativeOutput(GenerateOutput):
 
 @struct.dataclass
 class SpecState(RowState):
-    """The carry of a speculative round (SPEC §10), B rows, H history width: the per-row fields
+    """The carry of a speculative round (contract §10), B rows, H history width: the per-row fields
     of `RowState` (`step` counts output tokens) and, for s = prompt + output so far (length L,
     the invariant of the package docstring):
 
@@ -139,7 +139,7 @@ def select(logprobs: Array, rows: RowParams, live: Array, t: Array, purpose: int
 
 def process(s: SpecState, logits: Array, counts: Array, seen: Array, step: Array,
             grammar_state: Optional[Array], bound: Any = None) -> Array:
-    """SPEC §3's processed log-probabilities of one position for every row, with the given
+    """contract §3's processed log-probabilities of one position for every row, with the given
     penalty counts, step and grammar state (`bound`: custom processors)."""
     grammar = None if s.grammar is None else (s.grammar, grammar_state)
     return processors.process(logits.astype(jnp.float32), s.rows, counts, seen, step, grammar,
