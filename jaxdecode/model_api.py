@@ -79,9 +79,11 @@ class KVCache:
 class PagedKVCache:
     """Keys and values in fixed-size pages of one shared pool, with a page table per row.
 
-    k, v:       [layers, kv_heads, num_pages, page_size, head_dim] -- kv heads first, so one
-                layer's slice is the [kv_heads, pages, page_size, head_dim] layout of the Pallas
-                GPU paged-attention kernel, and the pool shards by kv head on a "model" axis
+    k, v:       [kv_heads, layers, num_pages, page_size, head_dim] -- kv heads first, then
+                layers: `kernel_pool` views the whole pool as the
+                [kv_heads, pages, page_size, head_dim] layout of the Pallas paged-attention
+                kernels (GPU and TPU) without a copy (layer l's page p is page l * num_pages + p),
+                and the pool shards by kv head on a "model" axis
     page_table: int32[batch, pages_per_row] -- position p of row b lives in page
                 page_table[b, p // page_size] at offset p % page_size; entries past a row's
                 pages point at any valid page (page 0, never allocated): they are read only
@@ -105,7 +107,7 @@ class PagedKVCache:
     def zeros(cls, num_layers: int, num_kv_heads: int, num_pages: int, page_size: int,
               head_dim: int, batch: int, max_len: int,
               dtype: Any = jnp.float32) -> "PagedKVCache":
-        shape = (num_layers, num_kv_heads, num_pages, page_size, head_dim)
+        shape = (num_kv_heads, num_layers, num_pages, page_size, head_dim)
         return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
                    page_table=jnp.zeros((batch, -(-max_len // page_size)), jnp.int32),
                    lengths=jnp.zeros((batch,), jnp.int32), max_len=max_len)
@@ -134,20 +136,27 @@ class PagedKVCache:
         offset = (positions % ps)[:, :, None]
         heads = jnp.arange(kvh)[None, None, :]
         return self.replace(
-            k=self.k.at[layer, heads, page, offset].set(k.astype(self.k.dtype), mode="drop"),
-            v=self.v.at[layer, heads, page, offset].set(v.astype(self.v.dtype), mode="drop"))
+            k=self.k.at[heads, layer, page, offset].set(k.astype(self.k.dtype), mode="drop"),
+            v=self.v.at[heads, layer, page, offset].set(v.astype(self.v.dtype), mode="drop"))
+
+    def kernel_pool(self, layer: int, pages: int) -> tuple[Array, Array, Array]:
+        """(keys, values, page table) as a paged-attention kernel reads layer `layer`: the
+        pools reshaped to [kv_heads, layers * num_pages, page_size, head_dim] (a bitcast, no
+        copy) and the rows' first `pages` table entries offset to that layer's pages."""
+        flat = lambda pool: pool.reshape((pool.shape[0], -1) + pool.shape[3:])  # noqa: E731
+        return flat(self.k), flat(self.v), self.page_table[:, :pages] + layer * self.num_pages
 
     def read(self, layer: int, kv_len: int) -> tuple[Array, Array]:
         """Keys and values [B, kv_heads, kv_len, head_dim] of positions [0, kv_len): each
         row's first pages gathered (kv_len a multiple of the page size)."""
-        pages = self.page_table[:, : -(-kv_len // self.page_size)]
+        k, v, pages = self.kernel_pool(layer, -(-kv_len // self.page_size))
 
         def gather(pool):
-            x = jnp.take(pool[layer], pages, axis=1)            # [kvh, B, n, ps, hd]
+            x = jnp.take(pool, pages, axis=1)                   # [kvh, B, n, ps, hd]
             x = x.transpose(1, 0, 2, 3, 4)
             return x.reshape(x.shape[:2] + (-1, x.shape[-1]))[:, :, :kv_len]
 
-        return gather(self.k), gather(self.v)
+        return gather(k), gather(v)
 
     def read_positions(self, layer: int, index: Array) -> tuple[Array, Array]:
         """Keys and values [B, kv_heads, S, head_dim] at positions index int32[B, S] of each row,
@@ -158,7 +167,7 @@ class PagedKVCache:
         offset = index % self.page_size
 
         def gather(pool):
-            return pool[layer][:, page, offset].transpose(1, 0, 2, 3)  # [B, kvh, S, hd]
+            return pool[:, layer, page, offset].transpose(1, 0, 2, 3)  # [B, kvh, S, hd]
 
         return gather(self.k), gather(self.v)
 
@@ -247,7 +256,7 @@ CACHE_RULES: tuple = (
     (r"cache/(k|v)", (None, "data", "model", None, None)),  # [layers, batch, kv_heads, len, hd]
     (r"cache/lengths", ("data",)),                           # [batch]
     # PagedKVCache: pages hold no row, so the pool shards by kv head only
-    (r"paged/(k|v)", (None, "model", None, None, None)),    # [layers, kv_heads, pages, ps, hd]
+    (r"paged/(k|v)", ("model", None, None, None, None)),    # [kv_heads, layers, pages, ps, hd]
     (r"paged/(page_table|lengths)", ("data",)),             # [batch, ...]
 )
 

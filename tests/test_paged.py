@@ -53,26 +53,42 @@ def test_paged_cache_reads_what_a_contiguous_cache_reads():
                 np.testing.assert_array_equal(a, b)
 
 
-def test_pallas_gpu_kernel_in_interpret_mode_matches_the_xla_path():
-    """jax.experimental.pallas.ops.gpu.paged_attention (interpret mode on CPU) against the
-    gathered pages and layers.attention, on a pool with GQA and rows of different lengths."""
+def _kernel_case(layer: int = 1):
+    """A two-layer pool with GQA, rows of different lengths and shuffled pages, a decode query
+    per row, and the XLA path's answer for `layer` (gathered pages, layers.attention)."""
     rng = np.random.default_rng(1)
     b, h, kvh, d, ps, n = 3, 4, 2, 16, 16, 40
-    k, v = (rng.normal(size=(1, kvh, n, ps, d)).astype(np.float32) for _ in range(2))
+    k, v = (rng.normal(size=(kvh, 2, n, ps, d)).astype(np.float32) for _ in range(2))
     table = np.stack([rng.permutation(np.arange(1, n))[:8] for _ in range(b)]).astype(np.int32)
     cache = PagedKVCache(k=jnp.asarray(k), v=jnp.asarray(v), page_table=jnp.asarray(table),
                          lengths=jnp.array([50, 100, 7], jnp.int32), max_len=128)
     q = jnp.asarray(rng.normal(size=(b, 1, h, d)), jnp.float32)
     pos = jnp.array([[49], [99], [6]], jnp.int32)
-    keys, values = cache.read(0, 128)
-    want = L.attention(q, keys, values, pos, jnp.arange(128), None)
-    got = paged_attention.gpu_decode(q, cache, 0, pos[:, 0] + 1, 128, interpret=True)
+    keys, values = cache.read(layer, 128)
+    return q, cache, pos, L.attention(q, keys, values, pos, jnp.arange(128), None)
+
+
+def test_pallas_gpu_kernel_in_interpret_mode_matches_the_xla_path():
+    """jax.experimental.pallas.ops.gpu.paged_attention (interpret mode on CPU) reading the
+    pool as it is (the second layer's pages through `kernel_pool`) against the XLA path."""
+    q, cache, pos, want = _kernel_case()
+    got = paged_attention.gpu_decode(q, cache, 1, pos[:, 0] + 1, 128, interpret=True)
     np.testing.assert_allclose(got, want, atol=2e-6)
 
 
+def test_pallas_tpu_kernel_in_interpret_mode_matches_the_xla_path():
+    """jax.experimental.pallas.ops.tpu.paged_attention under Pallas' TPU interpreter, on the
+    same pool. The interpreter's arithmetic differs from XLA's by ~3e-3 here (its exp and
+    reductions); a wrong page, layer or mask moves outputs by O(1)."""
+    q, cache, pos, want = _kernel_case()
+    got = paged_attention.tpu_decode(q, cache, 1, pos[:, 0] + 1, 128, interpret=True)
+    np.testing.assert_allclose(got, want, atol=1e-2)
+    wrong_layer = paged_attention.tpu_decode(q, cache, 0, pos[:, 0] + 1, 128, interpret=True)
+    assert np.abs(np.asarray(wrong_layer) - np.asarray(want)).max() > 0.1
+
+
 def test_kernels_are_dispatched_on_accelerators_only(monkeypatch):
-    """The TPU ragged kernel cannot run in Pallas' interpreter on CPU (jax 0.10.2: the
-    interpreter lacks the kernel's reshape transform), so its dispatch is what is tested."""
+    """Kernels on GPU and TPU decode steps only; the CPU and prefill chunks take the XLA path."""
     paged = PagedKVCache.zeros(1, 1, 4, 4, 2, 1, 16)
     assert paged_attention.kernel_for(paged, 1) is None  # CPU: the XLA path
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")

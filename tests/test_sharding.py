@@ -146,7 +146,7 @@ def test_engine_with_mesh_matches_and_shards_the_cache(mesh_run):
     state = mesh_run["2x4"]["state"]
     # the engine's paged pool holds no row: kv heads on "model", pages replicated over "data";
     # the per-row page table and lengths put the batch on "data"
-    assert state["k"] == [None, "model"]
+    assert state["k"] == ["model"]
     assert state["lengths"] == ["data"] and state["page_table"] == ["data"]
 
 

@@ -228,6 +228,6 @@ def write_pages(state: Any, pages: Array, k: Array, v: Array) -> Any:
     into `pages` int32[n] of a plain state's pool (restoring a saved request)."""
     pool = state.cache
     shape = k.shape[:2] + (pages.shape[0], pool.page_size, k.shape[-1])
-    return state.replace(cache=pool.replace(
-        k=pool.k.at[:, :, pages].set(k.reshape(shape).astype(pool.k.dtype)),
-        v=pool.v.at[:, :, pages].set(v.reshape(shape).astype(pool.v.dtype))))
+    put = lambda x, saved: x.at[:, :, pages].set(  # noqa: E731 (the pool is kv heads first)
+        saved.reshape(shape).swapaxes(0, 1).astype(x.dtype))
+    return state.replace(cache=pool.replace(k=put(pool.k, k), v=put(pool.v, v)))

@@ -111,7 +111,7 @@ def row_arrays(state: Any, r: Request, grammar_offset: int = 0) -> dict:
     pages = np.asarray(r.pages[:-(-length // pool.page_size)], np.int32)
     row = lambda x: np.asarray(x[slot])  # noqa: E731
     kv = lambda x: np.asarray(x[:, :, pages]).reshape(  # noqa: E731 (its pages, in order)
-        x.shape[:2] + (-1, x.shape[-1]))[:, :, :length]
+        x.shape[:2] + (-1, x.shape[-1]))[:, :, :length].swapaxes(0, 1)
     arrays = {"k": kv(pool.k), "v": kv(pool.v),
               "length": np.int32(length), "logits": row(state.logits),
               "last_token": row(state.last_token), "step": row(state.step),

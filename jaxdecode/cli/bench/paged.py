@@ -23,10 +23,10 @@ def paged_state(state, page_size: int):
     layers, b, kvh, max_len, hd = cache.k.shape
     per_row = -(-max_len // page_size)
 
-    def pool(x):  # [L, B, kvh, S, hd] -> [L, kvh, 1 + B * P, ps, hd]
+    def pool(x):  # [L, B, kvh, S, hd] -> [kvh, L, 1 + B * P, ps, hd]
         x = jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, per_row * page_size - max_len), (0, 0)))
-        x = x.reshape(layers, b, kvh, per_row, page_size, hd).transpose(0, 2, 1, 3, 4, 5)
-        x = x.reshape(layers, kvh, b * per_row, page_size, hd)
+        x = x.reshape(layers, b, kvh, per_row, page_size, hd).transpose(2, 0, 1, 3, 4, 5)
+        x = x.reshape(kvh, layers, b * per_row, page_size, hd)
         return jnp.pad(x, ((0, 0), (0, 0), (1, 0), (0, 0), (0, 0)))
 
     table = 1 + np.arange(b * per_row, dtype=np.int32).reshape(b, per_row)
