@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 # The demo's prompt; backslash escapes (\n) are expanded (printf %b).
 PROMPT ?= def fibonacci(n):\n    """Return the n-th Fibonacci number."""
 
-.PHONY: demo test install dev bench clean
+.PHONY: demo test test-exhaustive install dev bench clean
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -33,8 +33,14 @@ demo: $(VENV)/.installed
 # Two workers (pytest-xdist), whole files each: module fixtures compile once per file.
 PYTEST_WORKERS ?= 2
 test: $(VENV)/.dev-installed
-	$(PY) -m pytest -q -p no:cacheprovider -n $(PYTEST_WORKERS) --dist loadfile; rc=$$?; \
-	if [ $$rc -eq 5 ]; then echo "pytest collected no tests (exit 5)"; fi; exit $$rc
+	$(PY) -m pytest -q -p no:cacheprovider -n $(PYTEST_WORKERS) --dist loadfile -m "not exhaustive"; \
+	rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests (exit 5)"; fi; exit $$rc
+
+# The exhaustive variants (every family at every batch size, slot count and row count); CI runs
+# them after `make test`.
+test-exhaustive: $(VENV)/.dev-installed
+	$(PY) -m pytest -q -p no:cacheprovider -n $(PYTEST_WORKERS) --dist load -m exhaustive; \
+	rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests (exit 5)"; fi; exit $$rc
 
 bench: $(VENV)/.dev-installed
 	$(VENV)/bin/jaxdecode bench --compare-hf --batch 1 --batch 16 --json bench-out/bench.json

@@ -4,7 +4,7 @@ from jaxdecode.device.beam import beam_search
 from jaxdecode.config import SamplingParams
 from jaxdecode.device.consistency import assert_incremental_consistency
 from jaxdecode.device.decode import GenerateOutput, compilation_count, generate
-from jaxdecode.engine import LLM, EngineClosed, QueueFull, RequestHandle
+from jaxdecode.engine import LLM, EngineClosed, EngineConfig, QueueFull, RequestHandle
 from jaxdecode.device.hooks import Intervention, ablate, capture_activations, steer
 from jaxdecode.model_api import DecoderModel, KVCache, ModelConfig
 from jaxdecode.device.processors import PROCESSOR_ORDER, process_logits
@@ -16,9 +16,9 @@ from jaxdecode.types import (Completion, DecodingError, ErrorCode, Event, Finish
                              RequestState, TokenLogprob, Usage)
 
 __all__ = [
-    "Completion", "DecoderModel", "DecodingError", "EngineClosed", "ErrorCode", "Event",
-    "FinishReason", "GenerateOutput", "GenerationRecord", "Intervention", "KVCache", "LLM",
-    "LogitProcessor", "ModelConfig", "PROCESSOR_ORDER", "ProcessorContext", "QueueFull",
+    "Completion", "DecoderModel", "DecodingError", "EngineClosed", "EngineConfig", "ErrorCode",
+    "Event", "FinishReason", "GenerateOutput", "GenerationRecord", "Intervention", "KVCache",
+    "LLM", "LogitProcessor", "ModelConfig", "PROCESSOR_ORDER", "ProcessorContext", "QueueFull",
     "ReplayReport", "RequestHandle", "RequestState", "SamplingParams", "SpeculativeOutput",
     "StepState", "TokenLogprob", "Usage", "ablate", "assert_incremental_consistency",
     "beam_search", "capture_activations", "compilation_count", "generate", "process_logits",

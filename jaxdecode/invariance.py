@@ -231,15 +231,22 @@ def _unrolled(flat: Array, product, rows: int, count: int) -> Array:
 
 # -- attention ------------------------------------------------------------------------------------
 
+def soft_cap(x: Array, cap: Optional[float]) -> Array:
+    """cap * tanh(x / cap) (Gemma 2's attention-logit and final-logit soft-capping, HF order of
+    operations), elementwise, so it keeps X1; `cap` None: x unchanged."""
+    return x if cap is None else jnp.tanh(x / cap) * cap
+
+
 def attention(q: Array, k: Array, v: Array, q_pos: Array, k_pos: Array,
               sliding_window: Optional[int] = None, scale: Optional[float] = None,
-              invariant: bool = True) -> Array:
+              invariant: bool = True, softcap: Optional[float] = None) -> Array:
     """Causal grouped-query attention by absolute position.
 
     q: [B, T, H, D]; k, v: [B, KVH, S, D] (heads-major, as in the cache); q_pos: int32[B, T];
     k_pos: int32[S] or [B, S]. A query at position p sees keys at positions 0..p (and
     > p - window with a sliding window). Returns [B, T, H, D]. `invariant=False`: XLA's
-    products and softmax over the whole key axis.
+    products and softmax over the whole key axis. `softcap`: the scaled scores pass through
+    `soft_cap` before the mask and softmax (Gemma 2).
 
     Batch invariant by construction: the keys are cut into blocks of ATTN_BLOCK (the last one
     zero-padded and masked) and the block is a batch axis of both products, so every (row, kv
@@ -254,7 +261,7 @@ def attention(q: Array, k: Array, v: Array, q_pos: Array, k_pos: Array,
     scale = (1.0 / math.sqrt(d)) if scale is None else scale
     k_pos = jnp.broadcast_to(k_pos, (b, s))
     if not invariant:
-        return _attention_plain(q, k, v, q_pos, k_pos, sliding_window, scale)
+        return _attention_plain(q, k, v, q_pos, k_pos, sliding_window, scale, softcap)
     nb = -(-s // ATTN_BLOCK)
     if nb * ATTN_BLOCK != s:  # padded keys sit past every query: never visible
         pad = ((0, 0), (0, 0), (0, nb * ATTN_BLOCK - s), (0, 0))
@@ -262,7 +269,7 @@ def attention(q: Array, k: Array, v: Array, q_pos: Array, k_pos: Array,
         k_pos = jnp.pad(k_pos, ((0, 0), (0, nb * ATTN_BLOCK - s)),
                         constant_values=jnp.iinfo(jnp.int32).max)
     if t * g <= ELEMENTWISE_QUERY_ROWS:
-        return _attention_elementwise(q, k, v, q_pos, k_pos, sliding_window, scale)
+        return _attention_elementwise(q, k, v, q_pos, k_pos, sliding_window, scale, softcap)
     blocks = lambda x: x.reshape(b, kvh, nb, ATTN_BLOCK, d)  # noqa: E731
     # at least 2 query rows: XLA rewrites a product with one row as multiply + reduce, whose
     # order depends on the batch axes (the padding row is dropped below)
@@ -272,6 +279,7 @@ def attention(q: Array, k: Array, v: Array, q_pos: Array, k_pos: Array,
     qg = jnp.broadcast_to(qg, (b, kvh, nb, rows, d))
     scores = jnp.einsum("bknqd,bknsd->bknqs", qg, blocks(k),
                         preferred_element_type=jnp.float32)[:, :, :, :t * g] * scale
+    scores = soft_cap(scores, softcap)
     probs = _softmax_numerator(scores.reshape(b, kvh, nb, t, g, ATTN_BLOCK),
                                k_pos.reshape(b, 1, nb, 1, 1, ATTN_BLOCK),
                                q_pos.reshape(b, 1, 1, t, 1, 1), sliding_window, (2, 5))
@@ -301,13 +309,15 @@ def _softmax_numerator(scores: Array, kp: Array, qp: Array, sliding_window: Opti
 
 
 def _attention_plain(q: Array, k: Array, v: Array, q_pos: Array, k_pos: Array,
-                     sliding_window: Optional[int], scale: float) -> Array:
+                     sliding_window: Optional[int], scale: float,
+                     softcap: Optional[float] = None) -> Array:
     """`attention` as XLA's products and softmax over the whole key axis (not invariant)."""
     b, t, h, d = q.shape
     kvh = k.shape[1]
     g = h // kvh
     qg = q.reshape(b, t, kvh, g, d)
     scores = jnp.einsum("btkgd,bksd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+    scores = soft_cap(scores, softcap)
     visible = _visible(k_pos[:, None, None, None, :], q_pos[:, None, None, :, None],
                        sliding_window)
     scores = jnp.where(visible, scores, -jnp.inf)
@@ -320,7 +330,8 @@ def _attention_plain(q: Array, k: Array, v: Array, q_pos: Array, k_pos: Array,
 
 
 def _attention_elementwise(q: Array, k: Array, v: Array, q_pos: Array, k_pos: Array,
-                           sliding_window: Optional[int], scale: float) -> Array:
+                           sliding_window: Optional[int], scale: float,
+                           softcap: Optional[float] = None) -> Array:
     """`attention` for a few query rows per kv head, without products: each score is a
     `fixed_sum` over head_dim of elementwise products, each output a `fixed_sum` over the keys,
     so a row's bits depend on that row alone and invisible keys add exact zeros. The keys are
@@ -336,6 +347,7 @@ def _attention_elementwise(q: Array, k: Array, v: Array, q_pos: Array, k_pos: Ar
     products = jax.lax.optimization_barrier(
         qg[:, :, :, :, None, :] * k.astype(f32)[:, :, None, None])        # [B, KVH, T, G, S, D]
     scores = jax.lax.optimization_barrier(fixed_sum(products, -1) * scale)  # [B, KVH, T, G, S]
+    scores = soft_cap(scores, softcap)
     probs = _softmax_numerator(scores, k_pos.reshape(b, 1, 1, 1, s),
                                q_pos.reshape(b, 1, t, 1, 1), sliding_window, (4,))
     total = block_sum(probs, -1)                                          # [B, KVH, T, G]

@@ -1,6 +1,7 @@
 """Model families that implement `jaxdecode.model_api.DecoderModel`, and checkpoint loading."""
 from models.llama import Llama, LlamaConfig
 from models.gpt2 import GPT2, GPT2Config
+from models.gemma import Gemma, GemmaConfig
 from models.hf import CheckpointError, load
 from models.checkpoint import restore_params, save_params
 from models.sharding import make_mesh, shard_params
@@ -14,5 +15,5 @@ def demo(kind: str = "main"):
     return _load_demo(kind)
 
 
-__all__ = ["CheckpointError", "GPT2", "GPT2Config", "Llama", "LlamaConfig", "demo", "load",
+__all__ = ["CheckpointError", "GPT2", "GPT2Config", "Gemma", "GemmaConfig", "Llama", "LlamaConfig", "demo", "load",
            "make_mesh", "restore_params", "save_params", "shard_params"]

@@ -25,6 +25,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from models import layers as L
+from models.gemma import Gemma, GemmaConfig
 from models.gpt2 import ACTIVATIONS, GPT2, GPT2Config
 from models.llama import Llama, LlamaConfig
 
@@ -38,9 +39,14 @@ ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "phi3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
     "GPT2LMHeadModel": "gpt2",
 }
-MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "gpt2": "gpt2"}
+MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
+               "phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3", "gpt2": "gpt2"}
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -67,6 +73,9 @@ def load(path: str | os.PathLike, dtype: Any = None):
         if family == "gpt2":
             model = GPT2(_gpt2_config(config, config_file, eos))
             params = _gpt2_params(model.config, tensors, dtype)
+        elif family in ("gemma2", "gemma3"):
+            model = Gemma(_gemma_config(config, config_file, family, eos))
+            params = _gemma_params(model.config, tensors, dtype)
         else:
             model = Llama(_llama_config(config, config_file, family, eos))
             params = _llama_params(model.config, tensors, dtype)
@@ -166,6 +175,11 @@ def _llama_config(config: dict, config_file: Path, family: str, eos) -> LlamaCon
         raise CheckpointError(f"{config_file}: mlp_bias=true is not supported")
     if family == "qwen2":
         bias = True  # Qwen2 always has q/k/v biases (and no o bias)
+    elif family == "qwen3":
+        if config.get("attention_bias"):
+            raise CheckpointError(f"{config_file}: attention_bias=true is not supported for "
+                                  "qwen3")
+        bias = False
     else:
         if config.get("attention_bias"):
             raise CheckpointError(f"{config_file}: attention_bias=true (with an o_proj bias) is "
@@ -173,13 +187,16 @@ def _llama_config(config: dict, config_file: Path, family: str, eos) -> LlamaCon
         bias = False
     window = _sliding_window(config, config_file, family)
     theta, scaling = _rope(config, config_file, head_dim)
+    max_len = int(config.get("max_position_embeddings") or 2048)
+    if dict(scaling).get("rope_type", dict(scaling).get("type")) in ("longrope", "su"):
+        scaling, max_len = _longrope(config, config_file, dict(scaling), max_len)
     return LlamaConfig(
         vocab_size=int(need("vocab_size")),
         num_layers=int(need("num_hidden_layers")),
         num_heads=heads,
         num_kv_heads=int(config.get("num_key_value_heads") or heads),
         head_dim=head_dim,
-        max_len=int(config.get("max_position_embeddings") or 2048),
+        max_len=max_len,
         eos_token_ids=eos,
         hidden_size=hidden,
         intermediate_size=int(need("intermediate_size")),
@@ -189,14 +206,83 @@ def _llama_config(config: dict, config_file: Path, family: str, eos) -> LlamaCon
         attention_bias=bias,
         sliding_window=window,
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        qk_norm=family == "qwen3",
     )
+
+
+def _longrope(config: dict, config_file: Path, scaling: dict, max_len: int):
+    """Phi-3's longrope (`su`): its `factor` (by default max_position_embeddings / original, as
+    HF) fixes the cos/sin scale, and the model's max_len is capped at
+    `original_max_position_embeddings`, where HF switches from the short to the long factors
+    (the long factors, past that length, are not supported)."""
+    original = scaling.get("original_max_position_embeddings",
+                           config.get("original_max_position_embeddings"))
+    if original is None:
+        raise CheckpointError(f"{config_file}: longrope needs original_max_position_embeddings")
+    if float(scaling.get("partial_rotary_factor") or config.get("partial_rotary_factor")
+             or 1.0) != 1.0:
+        raise CheckpointError(f"{config_file}: partial_rotary_factor != 1 is not supported")
+    scaling = dict(scaling, original_max_position_embeddings=int(original))
+    if scaling.get("factor") is None:
+        scaling["factor"] = max_len / int(original)
+    return _hashable(scaling), min(max_len, int(original))
+
+
+def _gemma_config(config: dict, config_file: Path, family: str, eos) -> GemmaConfig:
+    """Gemma 2 / Gemma 3 text; Gemma 3's local rope base from `rope_parameters`'
+    "sliding_attention" (transformers 5) or `rope_local_base_freq` (4.x), without scaling."""
+    def need(key):
+        if config.get(key) is None:
+            raise CheckpointError(f"{config_file}: missing {key!r}")
+        return config[key]
+
+    hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
+    head_dim = int(config.get("head_dim") or hidden // heads)
+    n = int(need("num_hidden_layers"))
+    act = config.get("hidden_activation") or config.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise CheckpointError(f"{config_file}: unsupported hidden_activation {act!r} "
+                              "(only gelu_pytorch_tanh)")
+    if config.get("attention_bias"):
+        raise CheckpointError(f"{config_file}: attention_bias=true is not supported for {family}")
+    pattern = 2 if family == "gemma2" else int(config.get("sliding_window_pattern") or 6)
+    types = tuple(config.get("layer_types") or [
+        "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)])
+    theta, scaling = _rope(config, config_file, head_dim)
+    local = None
+    if family == "gemma3":
+        per_type = config.get("rope_parameters") or {}
+        sliding = per_type.get("sliding_attention") if isinstance(
+            per_type.get("sliding_attention"), dict) else {}
+        if sliding.get("rope_type", "default") != "default":
+            raise CheckpointError(f"{config_file}: rope scaling on sliding layers "
+                                  f"({sliding!r}) is not supported")
+        local = float(sliding.get("rope_theta", config.get("rope_local_base_freq", 10000.0)))
+    window = config.get("sliding_window")
+    softcap = lambda key: None if config.get(key) is None else float(config[key])  # noqa: E731
+    try:
+        return GemmaConfig(
+            vocab_size=int(need("vocab_size")), num_layers=n, num_heads=heads,
+            num_kv_heads=int(config.get("num_key_value_heads") or heads), head_dim=head_dim,
+            max_len=int(config.get("max_position_embeddings") or 8192), eos_token_ids=eos,
+            hidden_size=hidden, intermediate_size=int(need("intermediate_size")),
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)), rope_theta=theta,
+            rope_scaling=scaling, rope_local_theta=local,
+            query_pre_attn_scalar=float(config.get("query_pre_attn_scalar") or head_dim),
+            attn_logit_softcapping=softcap("attn_logit_softcapping"),
+            final_logit_softcapping=softcap("final_logit_softcapping"),
+            layer_types=types, sliding_window=None if window is None else int(window),
+            qk_norm=family == "gemma3",
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", True)))
+    except ValueError as e:
+        raise CheckpointError(f"{config_file}: {e}") from e
 
 
 def _sliding_window(config: dict, config_file: Path, family: str) -> Optional[int]:
     if family == "llama":
         return None
     window = config.get("sliding_window")
-    if family == "qwen2":
+    if family in ("qwen2", "qwen3"):
         if not config.get("use_sliding_window", False) or window is None:
             return None
         n = int(config["num_hidden_layers"])
@@ -333,6 +419,69 @@ def _to_jax(a: np.ndarray, dtype: Any) -> jnp.ndarray:
 
 
 def _llama_params(c: LlamaConfig, t: _TensorIndex, dtype) -> dict:
+    """Llama-layout tensors; Phi-3's fused `qkv_proj` and `gate_up_proj` (found by name) are
+    split here into q/k/v and gate/up (rows in that order), one tensor read each."""
+    d, hd, f = c.hidden_size, c.head_dim, c.intermediate_size
+    qd, kvd = c.num_heads * hd, c.num_kv_heads * hd
+
+    def get(name, shape, transpose=False):
+        a = t.get(name, shape)
+        return _to_jax(a.T if transpose else a, dtype)
+
+    def split(name, shape, sizes):
+        a = t.get(name, shape)
+        cuts = np.cumsum(sizes)[:-1]
+        return [_to_jax(part.T, dtype) for part in np.split(a, cuts, axis=0)]
+
+    layers = []
+    for i in range(c.num_layers):
+        pre = f"model.layers.{i}."
+        attn, mlp = pre + "self_attn.", pre + "mlp."
+        if attn + "qkv_proj.weight" in t:
+            q, k, v = split(attn + "qkv_proj.weight", (qd + 2 * kvd, d), (qd, kvd, kvd))
+        else:
+            q, k, v = (get(attn + n + "_proj.weight", (size, d), True)
+                       for n, size in (("q", qd), ("k", kvd), ("v", kvd)))
+        if mlp + "gate_up_proj.weight" in t:
+            gate, up = split(mlp + "gate_up_proj.weight", (2 * f, d), (f, f))
+        else:
+            gate, up = (get(mlp + n + "_proj.weight", (f, d), True) for n in ("gate", "up"))
+        layer = {
+            "attn_norm": get(pre + "input_layernorm.weight", (d,)),
+            "q": q, "k": k, "v": v,
+            "o": get(attn + "o_proj.weight", (d, qd), True),
+            "mlp_norm": get(pre + "post_attention_layernorm.weight", (d,)),
+            "gate": gate, "up": up,
+            "down": get(mlp + "down_proj.weight", (d, f), True),
+        }
+        if c.attention_bias:
+            layer["q_bias"] = get(pre + "self_attn.q_proj.bias", (qd,))
+            layer["k_bias"] = get(pre + "self_attn.k_proj.bias", (kvd,))
+            layer["v_bias"] = get(pre + "self_attn.v_proj.bias", (kvd,))
+        if c.qk_norm:
+            layer.update(_qk_norms(get, pre, hd))
+        layers.append(layer)
+    return _decoder_params(c, get, layers)
+
+
+def _qk_norms(get, pre: str, hd: int) -> dict:
+    """Qwen3 / Gemma 3 per-head q and k norm weights of the layer at `pre`."""
+    return {"q_norm": get(pre + "self_attn.q_norm.weight", (hd,)),
+            "k_norm": get(pre + "self_attn.k_norm.weight", (hd,))}
+
+
+def _decoder_params(c: Any, get, layers: list) -> dict:
+    """A Llama-layout checkpoint's parameters around its `layers`: the embedding, the final
+    norm and, unless tied, the output head."""
+    d = c.hidden_size
+    params = {"embed": get("model.embed_tokens.weight", (c.vocab_size, d)), "layers": layers,
+              "final_norm": get("model.norm.weight", (d,))}
+    if not c.tie_word_embeddings:
+        params["lm_head"] = get("lm_head.weight", (c.vocab_size, d), True)
+    return params
+
+
+def _gemma_params(c: GemmaConfig, t: _TensorIndex, dtype) -> dict:
     d, hd, f = c.hidden_size, c.head_dim, c.intermediate_size
     qd, kvd = c.num_heads * hd, c.num_kv_heads * hd
 
@@ -349,21 +498,17 @@ def _llama_params(c: LlamaConfig, t: _TensorIndex, dtype) -> dict:
             "k": get(pre + "self_attn.k_proj.weight", (kvd, d), True),
             "v": get(pre + "self_attn.v_proj.weight", (kvd, d), True),
             "o": get(pre + "self_attn.o_proj.weight", (d, qd), True),
-            "mlp_norm": get(pre + "post_attention_layernorm.weight", (d,)),
+            "post_attn_norm": get(pre + "post_attention_layernorm.weight", (d,)),
+            "mlp_norm": get(pre + "pre_feedforward_layernorm.weight", (d,)),
+            "post_mlp_norm": get(pre + "post_feedforward_layernorm.weight", (d,)),
             "gate": get(pre + "mlp.gate_proj.weight", (f, d), True),
             "up": get(pre + "mlp.up_proj.weight", (f, d), True),
             "down": get(pre + "mlp.down_proj.weight", (d, f), True),
         }
-        if c.attention_bias:
-            layer["q_bias"] = get(pre + "self_attn.q_proj.bias", (qd,))
-            layer["k_bias"] = get(pre + "self_attn.k_proj.bias", (kvd,))
-            layer["v_bias"] = get(pre + "self_attn.v_proj.bias", (kvd,))
+        if c.qk_norm:
+            layer.update(_qk_norms(get, pre, hd))
         layers.append(layer)
-    params = {"embed": get("model.embed_tokens.weight", (c.vocab_size, d)), "layers": layers,
-              "final_norm": get("model.norm.weight", (d,))}
-    if not c.tie_word_embeddings:
-        params["lm_head"] = get("lm_head.weight", (c.vocab_size, d), True)
-    return params
+    return _decoder_params(c, get, layers)
 
 
 def _gpt2_params(c: GPT2Config, t: _TensorIndex, dtype) -> dict:

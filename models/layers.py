@@ -20,7 +20,7 @@ import numpy as np
 
 from jaxdecode import invariance
 from jaxdecode.invariance import (  # noqa: F401 -- the families' products and attention
-    ATTN_BLOCK, ROW_TILE, Tiles, attention, dense)
+    ATTN_BLOCK, ROW_TILE, Tiles, attention, dense, soft_cap)
 from jaxdecode.model_api import KVCache
 from models import paged_attention
 
@@ -35,6 +35,63 @@ def rms_norm(x: Array, weight: Array, eps: float, tile: Optional[Tiles] = None) 
     return weight * xf.astype(x.dtype)
 
 
+def rms_norm_plus_one(x: Array, weight: Array, eps: float,
+                     tile: Optional[Tiles] = None) -> Array:
+    """Gemma RMSNorm: x * rsqrt(mean(x^2) + eps) * (1 + weight), all in f32, then the input
+    dtype (HF's Gemma order of casts, unlike `rms_norm`'s)."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(invariance.mean(xf * xf, tile is not None) + eps)
+    return (xf * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
+
+
+def qk_norm(x: Array, weight: Array, eps: float, tile: Optional[Tiles] = None,
+            plus_one: bool = False) -> Array:
+    """Per-head RMSNorm of queries or keys (Qwen3; Gemma 3 with `plus_one`): x [B, T, heads,
+    head_dim], one weight [head_dim] shared by the heads, applied before RoPE (HF order). Each
+    (token, head) is normalised on its own, so it keeps X1 like `rms_norm`."""
+    return (rms_norm_plus_one if plus_one else rms_norm)(x, weight, eps, tile)
+
+
+def layer_windows(layer_types: tuple, window: Optional[int]) -> tuple:
+    """Per-layer sliding windows from HF's `layer_types` ("sliding_attention" /
+    "full_attention"): the window on sliding layers, None on full ones. `attend` takes a
+    layer's window, so every attention path (dense and paged cache, no-cache `logits`) applies
+    its own per layer."""
+    return tuple(window if t == "sliding_attention" else None for t in layer_types)
+
+
+def random_decoder_params(c: Any, key: Array, dtype: Any, scale: float, norms: tuple,
+                          norm_fill: float, biases: bool = False) -> dict:
+    """Random Llama-layout parameters of config `c` (Llama, Gemma): projections and embeddings
+    normal * scale; every name in `norms`, the q/k norms where `c.qk_norm` and the final norm
+    filled with `norm_fill` (1 for RMSNorm, 0 for Gemma's (1 + weight)); q/k/v biases zero
+    where `biases`; an output head unless `c.tie_word_embeddings`."""
+    d, hd, f = c.hidden_size, c.head_dim, c.intermediate_size
+    qd, kvd = c.num_heads * hd, c.num_kv_heads * hd
+    shapes = {"q": (d, qd), "k": (d, kvd), "v": (d, kvd), "o": (qd, d),
+              "gate": (d, f), "up": (d, f), "down": (f, d)}
+    keys = iter(jax.random.split(key, 2 + c.num_layers * len(shapes)))
+
+    def normal(shape):
+        return (scale * jax.random.normal(next(keys), shape, jnp.float32)).astype(dtype)
+
+    fill = lambda n: jnp.full((n,), norm_fill, dtype)  # noqa: E731
+    layers = []
+    for _ in range(c.num_layers):
+        layer = {name: normal(shape) for name, shape in shapes.items()}
+        layer.update({name: fill(d) for name in norms})
+        if biases:
+            layer.update(q_bias=jnp.zeros((qd,), dtype), k_bias=jnp.zeros((kvd,), dtype),
+                         v_bias=jnp.zeros((kvd,), dtype))
+        if c.qk_norm:
+            layer.update(q_norm=fill(hd), k_norm=fill(hd))
+        layers.append(layer)
+    params = {"embed": normal((c.vocab_size, d)), "layers": layers, "final_norm": fill(d)}
+    if not c.tie_word_embeddings:
+        params["lm_head"] = normal((d, c.vocab_size))
+    return params
+
+
 def layer_norm(x: Array, weight: Array, bias: Array, eps: float,
                tile: Optional[Tiles] = None) -> Array:
     invariant = tile is not None
@@ -46,7 +103,10 @@ def layer_norm(x: Array, weight: Array, bias: Array, eps: float,
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict]) -> np.ndarray:
-    """Inverse frequencies, with HF's `default`, `linear` and `llama3` rope types.
+    """Inverse frequencies, with HF's `default`, `linear`, `llama3` and `longrope` (`su`, Phi-3)
+    rope types; `longrope` with its `short_factor`, which HF uses up to
+    `original_max_position_embeddings` (models.load caps the model's max_len there, so the
+    long factors are never needed; `rope_attention_factor` gives its cos/sin scale).
 
     Computed in numpy at trace time from the static config, so they are constants in XLA.
     """
@@ -56,6 +116,11 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict]) -> np.nd
         pass
     elif kind == "linear":
         inv = inv / float(scaling["factor"])
+    elif kind in ("longrope", "su"):
+        short = np.asarray(scaling["short_factor"], np.float64)
+        if short.shape != inv.shape:
+            raise ValueError(f"short_factor has {short.size} entries, expected {inv.size}")
+        inv = inv / short
     elif kind == "llama3":
         factor = float(scaling["factor"])
         low = float(scaling.get("low_freq_factor", 1.0))
@@ -70,15 +135,35 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: Optional[dict]) -> np.nd
         inv = np.where(medium, smoothed, scaled)
     else:
         raise ValueError(f"rope_scaling: unsupported rope_type {kind!r} "
-                         "(supported: default, linear, llama3)")
+                         "(supported: default, linear, llama3, longrope)")
     return inv.astype(np.float32)
 
 
-def apply_rope(x: Array, positions: Array, inv_freq: np.ndarray) -> Array:
-    """Rotate-half RoPE (HF layout). x: [B, T, heads, head_dim]; positions: int32[B, T]."""
+def rope_attention_factor(scaling: Optional[dict]) -> float:
+    """The scale HF puts on RoPE's cos and sin: longrope's `attention_factor`, by default
+    sqrt(1 + ln(factor) / ln(original_max_position_embeddings)) for a factor above 1 (`factor`
+    defaults to max_position_embeddings / original, set by models.load); 1 for other types."""
+    scaling = scaling or {}
+    if scaling.get("rope_type", scaling.get("type")) not in ("longrope", "su"):
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = float(scaling.get("factor") or 1.0)
+    if factor <= 1.0:
+        return 1.0
+    original = float(scaling["original_max_position_embeddings"])
+    return math.sqrt(1 + math.log(factor) / math.log(original))
+
+
+def apply_rope(x: Array, positions: Array, inv_freq: np.ndarray,
+               attention_factor: float = 1.0) -> Array:
+    """Rotate-half RoPE (HF layout). x: [B, T, heads, head_dim]; positions: int32[B, T];
+    cos and sin scaled by `attention_factor` in f32 (longrope)."""
     angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [B, T, hd/2]
     cos = jnp.cos(angles)[:, :, None, :]
     sin = jnp.sin(angles)[:, :, None, :]
+    if attention_factor != 1.0:
+        cos, sin = cos * attention_factor, sin * attention_factor
     cos = jnp.concatenate([cos, cos], -1).astype(x.dtype)
     sin = jnp.concatenate([sin, sin], -1).astype(x.dtype)
     half = x.shape[-1] // 2
@@ -121,9 +206,10 @@ def window_start(positions: Array, lengths: Array, window: int) -> Array:
 class CachedDecoder:
     """The `DecoderModel` protocol methods every family shares. A family is a frozen dataclass
     with a `config` and `_run(params, tokens, positions, attend, tile, hook) -> hidden states`
-    after the final norm (`_head` maps them to logits: the tied embedding or `lm_head`), where
-    `attend(layer, q, k, v, window=None, scale=None)` takes this call's queries [B, T, H, D]
-    and keys / values [B, T, KVH, D] (RoPE applied) and returns the attention output
+    after the final norm (`_head` maps them to logits: the tied embedding or `lm_head`, then
+    the config's `final_logit_softcapping` where it has one), where
+    `attend(layer, q, k, v, window=None, scale=None, softcap=None)` takes this call's queries
+    [B, T, H, D] and keys / values [B, T, KVH, D] (RoPE applied) and returns the attention output
     [B, T, H, D] -- in the cached forward after writing k, v into the cache (a `KVCache` or a
     `PagedKVCache`: `model_api`'s `write` / `read`), over the cached keys; `tile` is the call's
     `invariance.Tiles` (None: plain numerics, in `logits` and without invariance), passed to
@@ -179,10 +265,11 @@ class CachedDecoder:
         new_lengths = updated_lengths(cache, positions, lengths)
         kernel = paged_attention.kernel_for(cache, tokens.shape[1])
 
-        def attend(i, q, k, v, window=None, scale=None):
+        def attend(i, q, k, v, window=None, scale=None, softcap=None):
             nonlocal cache
             cache = cache.write(i, k, v, write_pos)
-            if kernel is not None and window is None:
+            # the Pallas kernel has no window or soft-cap: those layers read the gathered pages
+            if kernel is not None and window is None and softcap is None:
                 return kernel(q, cache, i, positions[:, 0] + 1, kv_len, scale)
             if window is not None and window_span(tokens.shape[1], window) < kv_len:
                 # a sliding window reads its own blocks only: same bits, less work
@@ -194,7 +281,7 @@ class CachedDecoder:
                 keys, values = cache.read(i, kv_len)
                 key_pos = k_pos
             return attention(q, keys.astype(q.dtype), values.astype(q.dtype), positions, key_pos,
-                             window, scale, invariant=tiles is not None)
+                             window, scale, invariant=tiles is not None, softcap=softcap)
 
         mode = invariance.construction(self.invariance)
         tiles = None if mode == "none" else Tiles.upto_last_live(lengths, self.row_tile,
@@ -212,14 +299,15 @@ class CachedDecoder:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32),
                                          tokens.shape)
 
-        def attend(i, q, k, v, window=None, scale=None):
+        def attend(i, q, k, v, window=None, scale=None, softcap=None):
             return attention(q, heads_major(k), heads_major(v), positions, positions, window,
-                             scale, invariant=False)
+                             scale, invariant=False, softcap=softcap)
 
         return self._head(params, self._run(params, tokens, positions, attend, None, hook), None)
 
     def _head(self, params: dict, x: Array, tile: Optional[Tiles]) -> Array:
         """Hidden states [B, T, D] -> f32 logits [B, T, V] (the tied embedding or lm_head)."""
         tied = self.config.tie_word_embeddings
-        return dense(x, params["embed"] if tied else params["lm_head"], tile, transpose=tied,
-                     out_dtype=jnp.float32)
+        logits = dense(x, params["embed"] if tied else params["lm_head"], tile, transpose=tied,
+                       out_dtype=jnp.float32)
+        return soft_cap(logits, getattr(self.config, "final_logit_softcapping", None))

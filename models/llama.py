@@ -1,13 +1,17 @@
-"""The Llama family (Llama 2/3, Mistral, Qwen2) as one batched, pure Flax-free JAX model.
+"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3) as one batched, pure Flax-free
+JAX model.
 
 Differences between the members are config flags: `attention_bias` (Qwen2's q/k/v biases),
-`sliding_window` (Mistral when configured), `rope_scaling` (Llama 3's `llama3` rope type),
-`tie_word_embeddings`. Layers are unrolled in Python: on CPU this beats `lax.scan` for decode.
+`sliding_window` (Mistral when configured), `rope_scaling` (Llama 3's `llama3` rope type, Phi-3's
+`longrope`), Phi-3's fused qkv_proj / gate_up_proj split at load (models/hf.py),
+`tie_word_embeddings`, `qk_norm` (Qwen3's per-head q/k RMSNorm before RoPE). Layers are
+unrolled in Python: on CPU this beats `lax.scan` for decode.
 
 Params pytree:
     embed [V, D]; final_norm [D]; lm_head [D, V] (absent when tied);
     layers: list of {attn_norm [D], q [D, H*hd], k [D, KVH*hd], v [D, KVH*hd], o [H*hd, D],
-                     (q_bias, k_bias, v_bias when attention_bias), mlp_norm [D],
+                     (q_bias, k_bias, v_bias when attention_bias),
+                     (q_norm [hd], k_norm [hd] when qk_norm), mlp_norm [D],
                      gate [D, F], up [D, F], down [F, D]}
 """
 
@@ -35,6 +39,7 @@ class LlamaConfig(ModelConfig):
     attention_bias: bool = False
     sliding_window: Optional[int] = None
     tie_word_embeddings: bool = False
+    qk_norm: bool = False             # Qwen3: RMSNorm over each q and k head before RoPE
 
     @property
     def rope_scaling_dict(self) -> Optional[dict]:
@@ -49,31 +54,8 @@ class Llama(L.CachedDecoder):
 
     def init_params(self, key: Array, dtype: Any = jnp.float32, scale: float = 0.02) -> dict:
         """Random parameters (normal * scale, norms at 1): for tests, benchmarks and training."""
-        c = self.config
-        d, hd, f = c.hidden_size, c.head_dim, c.intermediate_size
-        shapes = {"q": (d, c.num_heads * hd), "k": (d, c.num_kv_heads * hd),
-                  "v": (d, c.num_kv_heads * hd), "o": (c.num_heads * hd, d),
-                  "gate": (d, f), "up": (d, f), "down": (f, d)}
-        keys = iter(jax.random.split(key, 2 + c.num_layers * len(shapes)))
-
-        def normal(shape):
-            return (scale * jax.random.normal(next(keys), shape, jnp.float32)).astype(dtype)
-
-        layers = []
-        for _ in range(c.num_layers):
-            layer = {name: normal(shape) for name, shape in shapes.items()}
-            layer["attn_norm"] = jnp.ones((d,), dtype)
-            layer["mlp_norm"] = jnp.ones((d,), dtype)
-            if c.attention_bias:
-                layer["q_bias"] = jnp.zeros((c.num_heads * hd,), dtype)
-                layer["k_bias"] = jnp.zeros((c.num_kv_heads * hd,), dtype)
-                layer["v_bias"] = jnp.zeros((c.num_kv_heads * hd,), dtype)
-            layers.append(layer)
-        params = {"embed": normal((c.vocab_size, d)), "layers": layers,
-                  "final_norm": jnp.ones((d,), dtype)}
-        if not c.tie_word_embeddings:
-            params["lm_head"] = normal((d, c.vocab_size))
-        return params
+        return L.random_decoder_params(self.config, key, dtype, scale, ("attn_norm", "mlp_norm"),
+                                       1.0, self.config.attention_bias)
 
     # -- internals ----------------------------------------------------------------------------
 
@@ -84,6 +66,7 @@ class Llama(L.CachedDecoder):
         c = self.config
         b, t = tokens.shape
         inv_freq = L.rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling_dict)
+        rope_scale = L.rope_attention_factor(c.rope_scaling_dict)
         x = params["embed"][tokens]
         if hook is not None:  # hook points (model_api.hook_points)
             x = hook("embed", x)
@@ -92,8 +75,13 @@ class Llama(L.CachedDecoder):
             q, k, v = (L.dense(h, p[name], tile) for name in ("q", "k", "v"))
             if c.attention_bias:
                 q, k, v = q + p["q_bias"], k + p["k_bias"], v + p["v_bias"]
-            q = L.apply_rope(q.reshape(b, t, c.num_heads, c.head_dim), positions, inv_freq)
-            k = L.apply_rope(k.reshape(b, t, c.num_kv_heads, c.head_dim), positions, inv_freq)
+            q = q.reshape(b, t, c.num_heads, c.head_dim)
+            k = k.reshape(b, t, c.num_kv_heads, c.head_dim)
+            if c.qk_norm:
+                q = L.qk_norm(q, p["q_norm"], c.rms_norm_eps, tile)
+                k = L.qk_norm(k, p["k_norm"], c.rms_norm_eps, tile)
+            q = L.apply_rope(q, positions, inv_freq, rope_scale)
+            k = L.apply_rope(k, positions, inv_freq, rope_scale)
             v = v.reshape(b, t, c.num_kv_heads, c.head_dim)
             attn = attend(i, q, k, v, c.sliding_window)
             x = x + L.dense(attn.reshape(b, t, -1), p["o"], tile)

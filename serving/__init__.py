@@ -3,7 +3,9 @@
     from serving import create_app, ServerThread
     app = create_app(llm, model_name="demo")          # a FastAPI app (serving.app)
 
-Modules: `app` (routes, streaming, disconnect policy), `protocol` (request models, errors,
+Modules: `app` (routes, app assembly, disconnect policy), `submission` (body, prompt, queueing
+the choices), `render` (OpenAI responses and chunks), `responses` (JSON/SSE writers, the
+engine-to-loop listener bridge), `protocol` (request models, errors,
 finish-reason mapping), `chat` (chat templates), `streams` (SSE event logs and resume),
 `metrics` (Prometheus), `logs` (JSON logs), `server` (`jaxdecode serve`, `ServerThread`),
 `distributed` (multi-host: `serve --distributed`, README.md).

@@ -2,6 +2,10 @@
 
     app = create_app(llm, model_name="demo", api_key=None, on_disconnect="cancel")
 
+This module holds the routes, the app assembly and `Server` (the app's state and policies);
+`serving.submission` reads and queues a request, `serving.render` builds the OpenAI objects,
+`serving.responses` writes them (JSON, SSE) over the engine-to-loop listener bridge.
+
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``
 (and ``/v1/models/{id}``), ``GET /v1/streams/{request_id}`` (resume, contract T4), ``GET /health``,
 ``GET /metrics``. With `api_key` set, every route except ``/health`` needs
@@ -57,15 +61,14 @@ disconnects while they wait and follow the same policy.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hmac
-import json
 import logging
 import os
-import threading
 import time
 import uuid
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional
 
 import anyio
 from fastapi import FastAPI, Request
@@ -73,106 +76,18 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.responses import StreamingResponse
 
-from jaxdecode.engine import EngineClosed, QueueFull
-from jaxdecode.host.stream import TERMINAL_KINDS
-from jaxdecode.tokenization import encode
-from jaxdecode.types import ErrorCode, FinishReason, RequestState
-from serving import chat as chat_mod
 from serving.logs import log_event
 from serving.metrics import Metrics
 from serving.protocol import (ApiError, ChatCompletionRequest, CompletionRequest, bad_request,
-                              check_unsupported, error_from_value_error,
-                              format_logprobs, max_tokens_field, openai_finish_reason,
-                              parse_request, sampling_params, top_logprobs_count)
+                              parse_request, top_logprobs_count)
+from serving.render import Renderer, failure, finish_label
+from serving.responses import (SSEResponse, error_response, last_event_id, pump, sse,
+                               wait_terminal)
 from serving.streams import ResponseLog, StreamRegistry
+from serving.submission import Tracked, check_model, read_body, submit_watching
 
 ON_DISCONNECT = ("cancel", "continue")
-# error codes of a failed request that the request itself caused (400, not 500), with the
-# field that caused it (decoding_error is not one: text is decoded with "replace", so only a
-# model that samples ids outside its tokenizer's vocabulary can cause it)
-_CLIENT_ERRORS = {ErrorCode.ALL_TOKENS_MASKED: "logit_bias",
-                  ErrorCode.GRAMMAR_DEAD_END: "response_format",
-                  ErrorCode.INVALID_REQUEST: None}
-
-
-def _ended(handle: Any) -> bool:
-    """The terminal event is in the stream (the lifecycle state turns terminal a moment before
-    its event is appended, so the state alone is not enough to read the event)."""
-    return handle.terminal_event is not None
-
-
-def _terminal(handle: Any):
-    return handle.terminal_event
-
-
-def _failure(data: dict) -> ApiError:
-    """The error of a request the engine failed (its `failed` event's data): 400 naming the
-    field for what the request itself caused, else 500."""
-    code = ErrorCode(data["error"]) if data.get("error") else ErrorCode.MODEL_ERROR
-    message = f"generation failed: {data.get('message') or code.value}"
-    if code in _CLIENT_ERRORS:
-        param = _CLIENT_ERRORS[code]
-        return ApiError(400, f"{param}: {message}" if param else message, param=param,
-                        code=code.value)
-    return ApiError(500, message, code=code.value, type="server_error")
-
-
-def usage_object(prompt_tokens: int, handles: list) -> dict:
-    """OpenAI's usage of one completion request (its choices' engine requests): completion
-    tokens summed, and the prompt tokens served from the prefix cache
-    (`prompt_tokens_details.cached_tokens`; the prompt's samples share one prefill)."""
-    usages = [h.usage() for h in handles]
-    completion = sum(u.selected_tokens for u in usages)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
-            "total_tokens": prompt_tokens + completion,
-            "prompt_tokens_details": {"cached_tokens": max(u.cached_tokens for u in usages)}}
-
-
-def _json(obj: Any) -> str:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
-
-
-def error_response(err: ApiError, request_id: Optional[str] = None) -> JSONResponse:
-    headers = dict(err.headers)
-    if request_id:
-        headers["x-request-id"] = request_id
-    return JSONResponse(err.body(), status_code=err.status, headers=headers)
-
-
-class SSEResponse(StreamingResponse):
-    """A `text/event-stream` response that always watches for the client's disconnect (also
-    under ASGI 2.4, where Starlette would only notice at the next send) and always closes its
-    body iterator, so the iterator's cleanup (the disconnect policy) runs at once."""
-
-    media_type = "text/event-stream"
-
-    def __init__(self, content, headers: Optional[dict] = None):
-        super().__init__(content, headers={"Cache-Control": "no-cache",
-                                           "X-Accel-Buffering": "no", **(headers or {})})
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            async with anyio.create_task_group() as tg:
-                async def stream() -> None:
-                    try:
-                        await self.stream_response(send)
-                    except OSError:  # the socket went away while sending
-                        pass
-                    tg.cancel_scope.cancel()
-
-                async def watch() -> None:
-                    await self.listen_for_disconnect(receive)
-                    tg.cancel_scope.cancel()
-
-                tg.start_soon(stream)
-                tg.start_soon(watch)
-        finally:
-            aclose = getattr(self.body_iterator, "aclose", None)
-            if aclose is not None:
-                with anyio.CancelScope(shield=True):
-                    await aclose()
 
 
 class AuthMiddleware:
@@ -196,22 +111,10 @@ class AuthMiddleware:
         await error_response(err)(scope, receive, send)
 
 
-@dataclasses.dataclass
-class _Tracked:
-    """One HTTP completion request's engine requests, for metrics and the final log line."""
-
-    request_id: str
-    endpoint: str
-    handles: list
-    stream: bool
-    t0: float
-    transport_error: bool = False
-    finished: bool = False
-    top_logprobs: Optional[int] = None  # top entries shown per token; None: no logprobs
-
-
 class Server:
-    """The state behind one app: engine, metrics, stream registry, policies."""
+    """The state behind one app: engine, metrics, stream registry, policies; its routes'
+    handlers (submission: `serving.submission`, rendering: `serving.render`, writers:
+    `serving.responses`)."""
 
     def __init__(self, llm: Any, *, model_name: str, api_key: Optional[str],
                  on_disconnect: str, max_body_bytes: int, log_prompts: bool,
@@ -233,47 +136,10 @@ class Server:
         self.metrics = Metrics(llm, speculative=speculative is not None)
         self.registry = StreamRegistry(max_finished=max_kept_streams, ttl_s=stream_ttl_s)
         self.keepalive_s = keepalive_s
-        self.fingerprint = f"jaxdecode-{getattr(llm, 'model_snapshot', '')}"
+        self.renderer = Renderer(llm.tokenizer, model_name,
+                                 f"jaxdecode-{getattr(llm, 'model_snapshot', '')}")
         self.created = int(time.time())
         self._background: set = set()
-        self._token_texts: dict[int, str] = {}
-
-    def token_text(self, token_id: int) -> str:
-        """The tokenizer's decode of one id (special tokens shown), cached."""
-        text = self._token_texts.get(token_id)
-        if text is None:
-            text = self.llm.tokenizer.decode([token_id], skip_special_tokens=False)
-            self._token_texts[token_id] = text
-        return text
-
-    def logprobs_object(self, entries: Optional[tuple], offsets: Sequence[int], chat: bool,
-                        tracked: _Tracked) -> Optional[dict]:
-        """A choice's OpenAI logprobs for `entries` (returned tokens whose text begins at
-        `offsets`); None when the request did not ask for logprobs."""
-        if tracked.top_logprobs is None or entries is None:
-            return None
-        return format_logprobs(entries, tracked.top_logprobs, self.token_text, chat=chat,
-                               offsets=() if chat else offsets)
-
-    # -- helpers ----------------------------------------------------------------------------------
-
-    async def read_body(self, request: Request) -> bytes:
-        length = request.headers.get("content-length")
-        too_big = ApiError(413, f"request body exceeds {self.max_body_bytes} bytes",
-                           code="request_too_large")
-        if length is not None:
-            try:
-                if int(length) > self.max_body_bytes:
-                    raise too_big
-            except ValueError:
-                raise bad_request("invalid Content-Length header", code="invalid_header") from None
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > self.max_body_bytes:
-                raise too_big
-            chunks.append(chunk)
-        return b"".join(chunks)
 
     def reject(self, err: ApiError, request_id: Optional[str], endpoint: str) -> JSONResponse:
         reason = err.code or f"http_{err.status}"
@@ -282,33 +148,14 @@ class Server:
                   status=err.status, param=err.param, code=err.code, message=err.message)
         return error_response(err, request_id)
 
-    def check_model(self, model: Optional[str]) -> None:
-        if model is not None and model != self.model_name:
-            raise ApiError(404, f"model: the model {model!r} does not exist (this server "
-                                f"serves {self.model_name!r})", param="model",
-                           code="model_not_found")
-
-    def label(self, handle: Any, tracked: _Tracked) -> str:
-        state = handle.state
-        term = _terminal(handle)
-        data = term.data if term is not None else {}
-        if state is RequestState.CANCELLED:
-            return (FinishReason.TRANSPORT_ERROR.value if tracked.transport_error
-                    else FinishReason.CANCELLED.value)
-        if state is RequestState.FAILED:
-            err = data.get("error")
-            return ErrorCode(err).value if err is not None else ErrorCode.MODEL_ERROR.value
-        reason = data.get("finish_reason")
-        return FinishReason(reason).value if reason is not None else "unknown"
-
-    def finish(self, tracked: _Tracked) -> None:
+    def finish(self, tracked: Tracked) -> None:
         """Metrics and the log line, once, after every engine request of `tracked` ended."""
         if tracked.finished:
             return
         tracked.finished = True
         choices = []
         for h in tracked.handles:
-            label = self.label(h, tracked)
+            label = finish_label(h, tracked.transport_error)
             try:
                 timing = self.metrics.observe(h, label)
             except Exception:  # metrics must never break a response
@@ -333,7 +180,7 @@ class Server:
         except Exception:  # a record must never break a response
             logging.getLogger("serving").exception("writing the record failed")
 
-    def on_gone(self, tracked: _Tracked) -> None:
+    def on_gone(self, tracked: Tracked) -> None:
         """The last client of a live request went away (contract T5)."""
         if self.on_disconnect == "cancel":
             tracked.transport_error = True
@@ -351,69 +198,20 @@ class Server:
         task.add_done_callback(self._background.discard)
         return task
 
-    # -- submission -------------------------------------------------------------------------------
-
-    def _submit(self, req: Any, chat: bool, request_id: str, stream: bool,
-                cancelled: Callable[[], bool]) -> tuple[list, list]:
-        """Validate, tokenize and queue every choice (runs in a worker thread; `cancelled()`
-        true abandons a constraint compile). Returns (handles, prompt ids)."""
-        llm = self.llm
-        check_unsupported(req, chat=chat, max_n=self.max_n)
-        n = 1 if req.n is None else req.n
-        default_max = llm.max_len if chat else 16
-        sp = sampling_params(req, chat=chat, stream=stream, default_max_tokens=default_max)
-        _, mt_name = max_tokens_field(req, chat)
-        try:
-            if chat:
-                ids, _ = chat_mod.chat_prompt_ids(llm.tokenizer, req.messages)
-            else:
-                prompt = req.prompt
-                if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-                    if len(prompt) != 1:
-                        raise ValueError("prompt: send one prompt per request (a list of "
-                                         f"{len(prompt)} prompts was given)")
-                    prompt = prompt[0]
-                ids = encode(llm.tokenizer, prompt) if isinstance(prompt, str) else list(prompt)
-            # n expanded by the engine (jaxdecode/engine/samples.py), as LLM.generate does
-            handles = llm.submit_n(ids, dataclasses.replace(sp, n=n), request_id=request_id,
-                                   cancelled=cancelled)
-        except ValueError as exc:
-            raise error_from_value_error(exc, chat=chat, max_tokens_name=mt_name) from None
-        except QueueFull as exc:
-            raise ApiError(429, f"the server is busy: {exc}; retry later", code="queue_full",
-                           type="rate_limit_error",
-                           headers={"Retry-After": str(self.retry_after_s)}) from None
-        except EngineClosed:
-            raise ApiError(503, "the engine is closed", code="engine_closed",
-                           type="server_error") from None
-        return handles, ids
-
-    async def submit_watching(self, request: Request, *args) -> tuple[list, list]:
-        """`_submit` in a worker thread while the client is watched: a disconnect abandons a
-        constraint compile in progress (its worker process is killed)."""
-        gone = threading.Event()
-
-        async def watch() -> None:
-            while not await request.is_disconnected():
-                await anyio.sleep(0.1)
-            gone.set()
-
-        watcher = asyncio.get_running_loop().create_task(watch())
-        try:
-            return await anyio.to_thread.run_sync(self._submit, *args, gone.is_set)
-        finally:
-            watcher.cancel()
+    # -- completions ------------------------------------------------------------------------------
 
     async def complete(self, request: Request, chat: bool) -> Response:
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         endpoint = "/v1/chat/completions" if chat else "/v1/completions"
         t0 = time.monotonic()
         try:
-            body = await self.read_body(request)
+            body = await read_body(request, self.max_body_bytes)
             req = parse_request(ChatCompletionRequest if chat else CompletionRequest, body)
-            self.check_model(req.model)
+            check_model(req.model, self.model_name)
             stream = bool(req.stream)
-            handles, ids = await self.submit_watching(request, req, chat, request_id, stream)
+            handles, ids = await submit_watching(
+                request, self.llm, req, chat=chat, request_id=request_id, stream=stream,
+                max_n=self.max_n, retry_after_s=self.retry_after_s)
         except ApiError as err:
             return self.reject(err, request_id, endpoint)
         except Exception:  # answered here: an exception past the route would drop the connection
@@ -425,221 +223,46 @@ class Server:
         if self.log_prompts:
             fields["prompt"] = ([m.model_dump() for m in req.messages] if chat else req.prompt)
         log_event("request.received", **fields)
-        tracked = _Tracked(request_id, endpoint, handles, stream, t0,
-                           top_logprobs=top_logprobs_count(req, chat))
+        tracked = Tracked(request_id, endpoint, handles, stream, t0,
+                          top_logprobs=top_logprobs_count(req, chat))
         if stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            log = ResponseLog(request_id, handles, chat=chat, include_usage=include_usage,
-                              created=int(time.time()), prompt_tokens=len(ids))
-            log.tracked = tracked
-            self.registry.add(log)
-            log.task = self.spawn(self.pump(log, tracked))
-            ids = bool(req.stream_options and req.stream_options.include_ids) or (
-                request.headers.get("x-event-ids", "").lower() in ("1", "true"))
-            return SSEResponse(self.sse(log, -1, tracked, ids),
-                               headers={"x-request-id": request_id})
+            return self.stream(request, req, tracked, chat, len(ids))
         return await self.respond(request, tracked, chat, len(ids))
 
-    # -- non-streaming ----------------------------------------------------------------------------
+    def stream(self, request: Request, req: Any, tracked: Tracked, chat: bool,
+               prompt_tokens: int) -> Response:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        log = ResponseLog(tracked.request_id, tracked.handles, chat=chat,
+                          include_usage=include_usage, created=int(time.time()),
+                          prompt_tokens=prompt_tokens)
+        log.tracked = tracked
+        self.registry.add(log)
+        log.task = self.spawn(pump(log, tracked, self.renderer, self.finish))
+        ids = bool(req.stream_options and req.stream_options.include_ids) or (
+            request.headers.get("x-event-ids", "").lower() in ("1", "true"))
+        return SSEResponse(sse(log, -1, self.keepalive_s, lambda: self.on_gone(tracked), ids),
+                           headers={"x-request-id": tracked.request_id})
 
-    async def wait_terminal(self, handles: list, request: Optional[Request]) -> bool:
-        """Wait until every handle ended; False when the client disconnected first."""
-        loop = asyncio.get_running_loop()
-        wake = asyncio.Event()
-
-        def notify() -> None:
-            try:
-                loop.call_soon_threadsafe(wake.set)
-            except RuntimeError:  # the loop is closed
-                pass
-
-        for h in handles:
-            h.add_listener(notify)
-        while True:
-            wake.clear()
-            if all(_ended(h) for h in handles):
-                return True
-            try:
-                await asyncio.wait_for(wake.wait(), 0.25)
-            except asyncio.TimeoutError:
-                pass
-            if request is not None and not all(_ended(h) for h in handles):
-                if await request.is_disconnected():
-                    return False
-
-    async def respond(self, request: Request, tracked: _Tracked, chat: bool,
+    async def respond(self, request: Request, tracked: Tracked, chat: bool,
                       prompt_tokens: int) -> Response:
         handles = tracked.handles
-        if not await self.wait_terminal(handles, request):
+        if not await wait_terminal(handles, request):
             self.on_gone(tracked)
 
             async def settle() -> None:
-                await self.wait_terminal(handles, None)
+                await wait_terminal(handles, None)
                 self.finish(tracked)
 
             self.spawn(settle())
             return Response(status_code=499)  # nobody reads it
         self.finish(tracked)
-        choices = []
-        for i, h in enumerate(handles):
-            term = _terminal(h)
-            data = term.data if term is not None else {}
+        for h in handles:
+            term = h.terminal_event
             if term is None or term.kind == "failed":
-                return error_response(_failure(data), tracked.request_id)
-            choices.append(self._final_choice(h, i, chat, tracked))
-        body = {"id": tracked.request_id,
-                "object": "chat.completion" if chat else "text_completion",
-                "created": int(time.time()), "model": self.model_name,
-                "system_fingerprint": self.fingerprint, "choices": choices,
-                "usage": usage_object(prompt_tokens, handles)}
+                return error_response(failure(term.data if term is not None else {}),
+                                      tracked.request_id)
+        body = self.renderer.completion(tracked, chat, prompt_tokens, int(time.time()))
         return JSONResponse(body, headers={"x-request-id": tracked.request_id})
-
-    def _finish_fields(self, h: Any, tracked: _Tracked) -> dict:
-        label = self.label(h, tracked)
-        reason = openai_finish_reason(label) if label in FinishReason._value2member_map_ else "stop"
-        term = _terminal(h)
-        stop = term.stop if term is not None else None
-        return {"finish_reason": reason, "jaxdecode_finish_reason": label,
-                "stop_reason": list(stop) if isinstance(stop, tuple) else stop}
-
-    def _final_choice(self, h: Any, i: int, chat: bool, tracked: _Tracked) -> dict:
-        entries, text = h.logprobs, h.text
-        offsets = [h.token_offset(j) for j in range(len(entries or ()))]
-        logprobs = self.logprobs_object(entries, offsets, chat, tracked)
-        if chat:
-            choice = {"index": i, "message": {"role": "assistant", "content": text},
-                      "logprobs": logprobs}
-        else:
-            choice = {"index": i, "text": text, "logprobs": logprobs}
-        choice.update(self._finish_fields(h, tracked))
-        if h.score is not None:  # extension: a beam's HF score (contract §10)
-            choice["score"] = h.score
-        return choice
-
-    # -- streaming --------------------------------------------------------------------------------
-
-    def _chunk(self, log: ResponseLog, choice: dict) -> str:
-        obj = {"id": log.request_id,
-               "object": "chat.completion.chunk" if log.chat else "text_completion",
-               "created": log.created, "model": self.model_name,
-               "system_fingerprint": self.fingerprint, "choices": [choice]}
-        if log.include_usage:
-            obj["usage"] = None
-        return _json(obj)
-
-    def _event_data(self, log: ResponseLog, i: int, ev: Any, tracked: _Tracked) -> Optional[str]:
-        h = log.handles[i]
-        if ev.kind == "start":
-            if log.chat:
-                choice = {"index": i, "delta": {"role": "assistant", "content": ""},
-                          "logprobs": None, "finish_reason": None}
-            else:
-                choice = {"index": i, "text": "", "logprobs": None, "finish_reason": None}
-            return self._chunk(log, choice)
-        if ev.kind == "delta":
-            text, entries = ev.text, ev.logprobs
-            logprobs = self.logprobs_object(entries, ev.offsets, log.chat, tracked)
-            if log.chat:
-                choice = {"index": i, "delta": {"content": text}, "logprobs": logprobs,
-                          "finish_reason": None}
-            else:
-                choice = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": None}
-            return self._chunk(log, choice)
-        if ev.kind == "failed":
-            return _json({**_failure(ev.data).body(), "id": log.request_id, "index": i})
-        if ev.kind in TERMINAL_KINDS:  # completed / cancelled
-            base = ({"index": i, "delta": {}, "logprobs": None} if log.chat
-                    else {"index": i, "text": "", "logprobs": None})
-            base.update(self._finish_fields(h, tracked))
-            return self._chunk(log, base)
-        return None
-
-    async def pump(self, log: ResponseLog, tracked: _Tracked) -> None:
-        """Move the engine streams' events into the log as soon as they are produced."""
-        loop = asyncio.get_running_loop()
-        wake = asyncio.Event()
-
-        def notify() -> None:
-            try:
-                loop.call_soon_threadsafe(wake.set)
-            except RuntimeError:
-                pass
-
-        for h in log.handles:
-            h.add_listener(notify)
-        live = list(range(len(log.handles)))
-        # a choice's opening chunk (no text) goes out with its first token or its end, as
-        # vLLM's does: a client timing the first chunk measures the time to the first token
-        opening: dict = {}
-        try:
-            while live:
-                wake.clear()
-                moved = False
-                for i in list(live):
-                    handle = log.handles[i]
-                    while True:
-                        ev = handle.next_event()
-                        if ev is None:
-                            break
-                        moved = True
-                        data = self._event_data(log, i, ev, tracked)
-                        if ev.kind == "start":
-                            opening[i] = data
-                            continue
-                        if i in opening:
-                            log.append(opening.pop(i))
-                        if data is not None:
-                            log.append(data)
-                        if ev.kind in TERMINAL_KINDS:
-                            live.remove(i)
-                            break
-                if not live:
-                    break
-                if moved:
-                    await asyncio.sleep(0)
-                else:
-                    try:
-                        await asyncio.wait_for(wake.wait(), 1.0)
-                    except asyncio.TimeoutError:
-                        pass
-            if log.include_usage:
-                log.append(_json({
-                    "id": log.request_id,
-                    "object": "chat.completion.chunk" if log.chat else "text_completion",
-                    "created": log.created, "model": self.model_name,
-                    "system_fingerprint": self.fingerprint, "choices": [],
-                    "usage": usage_object(log.prompt_tokens, log.handles)}))
-        except Exception:
-            logging.getLogger("serving").exception("stream pump failed for %s", log.request_id)
-            for h in log.handles:
-                h.cancel()
-            err = ApiError(500, "internal error while streaming", code="internal_error",
-                           type="server_error")
-            log.append(_json({**err.body(), "id": log.request_id}))
-        finally:
-            if not log.done:
-                log.append("[DONE]")
-                log.close()
-            if all(_ended(h) for h in log.handles):
-                self.finish(tracked)
-            else:  # cancelled (server shutdown): make sure the engine requests end
-                for h in log.handles:
-                    h.cancel()
-
-    async def sse(self, log: ResponseLog, after: int, tracked: _Tracked, ids: bool = True):
-        """The SSE bytes of `log` after event id `after` (with `id:` lines when `ids`);
-        applies the disconnect policy when the last reader leaves before the end."""
-        log.readers += 1
-        try:
-            async for i, data in log.follow(after, idle_s=self.keepalive_s):
-                if i is None:  # a comment line keeps proxies from closing an idle stream
-                    yield ": keep-alive\n\n"
-                else:
-                    yield f"id: {i}\ndata: {data}\n\n" if ids else f"data: {data}\n\n"
-        finally:
-            log.readers -= 1
-            if not log.done and log.readers == 0:
-                self.on_gone(tracked)
 
     async def resume(self, request: Request, request_id: str) -> Response:
         try:
@@ -648,21 +271,12 @@ class Server:
                 raise ApiError(404, f"no kept stream for request {request_id!r} (unknown, not "
                                     "streamed, or expired)", param="request_id",
                                code="stream_not_found")
-            raw = request.headers.get("last-event-id")
-            if raw is None:
-                raw = request.query_params.get("last_event_id")
-            try:
-                after = -1 if raw is None or raw.strip() == "" else int(raw)
-            except ValueError:
-                raise bad_request(f"Last-Event-ID: expected an event id (integer), got {raw!r}",
-                                  "Last-Event-ID") from None
-            if after < -1 or after >= len(log.events):
-                raise bad_request(f"Last-Event-ID: event {after} has not been sent (the stream "
-                                  f"has {len(log.events)} events)", "Last-Event-ID")
+            after = last_event_id(request, log)
         except ApiError as err:
             return self.reject(err, request_id, "/v1/streams")
         log_event("stream.resumed", request_id=request_id, after=after, done=log.done)
-        return SSEResponse(self.sse(log, after, log.tracked),
+        tracked = log.tracked
+        return SSEResponse(sse(log, after, self.keepalive_s, lambda: self.on_gone(tracked)),
                            headers={"x-request-id": request_id})
 
     # -- other routes -----------------------------------------------------------------------------
@@ -708,8 +322,6 @@ def create_app(llm: Any, *, model_name: str, api_key: Optional[str] = None,
                     max_n=max(1, min(max_n or llm.limits.max_n, llm.max_queue)),
                     keepalive_s=keepalive_s, record_dir=record_dir, speculative=speculative)
 
-    import contextlib
-
     @contextlib.asynccontextmanager
     async def lifespan(app):
         yield
@@ -722,6 +334,13 @@ def create_app(llm: Any, *, model_name: str, api_key: Optional[str] = None,
     app = FastAPI(title="jaxdecode", version="0.1.0", lifespan=lifespan)
     app.state.server = server
     app.add_middleware(AuthMiddleware, api_key=api_key)
+    _add_error_handlers(app)
+    _add_routes(app, server)
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error as the OpenAI error body (400 for pydantic's errors, never 422)."""
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError):
@@ -748,6 +367,8 @@ def create_app(llm: Any, *, model_name: str, api_key: Optional[str] = None,
         return error_response(ApiError(500, "internal server error", code="internal_error",
                                        type="server_error"))
 
+
+def _add_routes(app: FastAPI, server: Server) -> None:
     @app.post("/v1/completions")
     async def completions(request: Request):
         return await server.complete(request, chat=False)
@@ -779,5 +400,3 @@ def create_app(llm: Any, *, model_name: str, api_key: Optional[str] = None,
     async def metrics():
         return Response(generate_latest(server.metrics.registry),
                         media_type=CONTENT_TYPE_LATEST)
-
-    return app

@@ -3,7 +3,7 @@
 The rule (multi-controller JAX): every process issues the same jitted calls with the same host
 inputs, in the same order. The leader's `LLM` writes each device call as a `step_ops.StepOp`
 and hands it to its step hook before applying it; `CollectiveBroadcaster` sends it to all
-processes, and `run_follower` applies each received op with the same `step_ops.apply`. The
+processes, and `run_follower` applies each received op with the same `runner.apply`. The
 transport is two device broadcasts per op (`broadcast`): a fixed int32[4] header
 (magic, format version, payload bytes, 0), then the payload (`step_ops.to_bytes`) as uint8
 padded to a power of two >= 4 KiB, so only a few payload shapes ever compile.
@@ -29,7 +29,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxdecode.engine import step_ops
+from jaxdecode.engine import runner, step_ops
 
 logger = logging.getLogger(__name__)
 
@@ -134,15 +134,15 @@ def run_follower(model: Any, params: Any, channel: Any, *, max_slots: int, max_l
     The context equals the leader's (`LLM(..., step_hook=)`: outputs replicated). A failing op
     is logged and the loop goes on: the leader meets the same failure and sends RESET.
     `observe(op, output)` sees each applied op (tests compare step outputs with the leader's)."""
-    ctx = step_ops.Context(model, params, max_slots, max_len, tuple(eos_token_ids), mesh,
-                           replicate_outputs=True, pages=pages, page_size=page_size)
+    ctx = runner.Context(model, params, max_slots, max_len, tuple(eos_token_ids), mesh,
+                         replicate_outputs=True, pages=pages, page_size=page_size)
     state, applied = None, 0
     while True:
         op = channel.receive()
         if op.code == step_ops.STOP:
             return applied
         try:
-            state, out = step_ops.apply(ctx, state, op)
+            state, out = runner.apply(ctx, state, op)
         except Exception:  # mirrored on the leader, which resets
             logger.exception("follower: step op %s failed", op.name)
             continue

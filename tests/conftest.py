@@ -8,7 +8,9 @@ Names: see `HF_CHECKPOINTS`. `demo` is the embedded demo model, loaded once per 
 `_release_compiled_programs` drops compiled programs after each test module: XLA:CPU keeps
 every compiled program's machine code mapped (about six memory maps each), and the suite's
 thousands of compilations in one process would exhaust `vm.max_map_count` (65530), after which
-LLVM fails with "Cannot allocate memory" and the process crashes.
+LLVM fails with "Cannot allocate memory" and the process crashes. `_release_before_map_exhaustion`
+does the same after any test that leaves the process past half that limit (a module can compile
+enough on its own).
 
 A persistent compilation cache per xdist worker (`JAX_COMPILATION_CACHE_DIR`, set before jax
 is imported): the programs that module release drops, and those the many engines of the tests
@@ -27,6 +29,7 @@ import json
 import os
 import shutil
 import tempfile
+import zlib
 from pathlib import Path
 
 import pytest
@@ -48,13 +51,39 @@ def pytest_unconfigure(config):
         shutil.rmtree(_CACHE_ROOT, ignore_errors=True)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _release_compiled_programs():
-    yield
+def _release():
     import jax
 
     jax.clear_caches()
     gc.collect()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    yield
+    _release()
+
+
+_MAP_BUDGET = 32768  # half of vm.max_map_count's default (65530)
+
+
+def _memory_maps():
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return f.read().count(b"\n")
+    except OSError:  # not Linux
+        return 0
+
+
+@pytest.fixture(autouse=True)
+def _release_before_map_exhaustion():
+    """Inside a module whose many parametrised cases compile hundreds of programs (batch
+    invariance over every family), drop them after the test that takes the process past half
+    of `vm.max_map_count`: past the limit XLA:CPU's compiler crashed the worker (SIGSEGV in
+    backend_compile_and_load)."""
+    yield
+    if _memory_maps() > _MAP_BUDGET:
+        _release()
 
 
 # Tiny sizes: 2 layers, 4 heads (2 KV heads where the family has GQA), vocab 128.
@@ -75,6 +104,29 @@ HF_CHECKPOINTS = {
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(_LLAMA_GEOMETRY, sliding_window=4), {}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM",
               dict(_LLAMA_GEOMETRY, tie_word_embeddings=True, use_sliding_window=False), {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM",
+              dict(_LLAMA_GEOMETRY, head_dim=16, use_sliding_window=False), {}),
+    # Gemma: windows of 4 on alternating layers (Gemma 3: 2 sliding, then 1 global), both
+    # soft-caps low enough to bite, query_pre_attn_scalar != head_dim.
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",
+               dict(_LLAMA_GEOMETRY, num_hidden_layers=3, head_dim=16, sliding_window=4,
+                    query_pre_attn_scalar=12, attn_logit_softcapping=2.0,
+                    final_logit_softcapping=3.0), {}),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+               dict(_LLAMA_GEOMETRY, num_hidden_layers=3, head_dim=16, sliding_window=4,
+                    sliding_window_pattern=3, query_pre_attn_scalar=12,
+                    rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                        "rope_theta": 100000.0},
+                                     "sliding_attention": {"rope_type": "default",
+                                                           "rope_theta": 10.0}},
+                    final_logit_softcapping=3.0), {}),
+    # Phi-3: fused qkv / gate_up weights, longrope with short factors (prompts stay under
+    # original_max_position_embeddings), a sliding window.
+    "phi3": ("Phi3Config", "Phi3ForCausalLM",
+             dict(_LLAMA_GEOMETRY, sliding_window=6, max_position_embeddings=128,
+                  original_max_position_embeddings=64,
+                  rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.5, 2.0, 3.0],
+                                "long_factor": [2.0, 3.0, 4.0, 5.0]}), {}),
     "gpt2": ("GPT2Config", "GPT2LMHeadModel",
              dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
                   bos_token_id=1, eos_token_id=EOS_ID, pad_token_id=0), {}),
@@ -82,6 +134,10 @@ HF_CHECKPOINTS = {
     "llama_sharded": ("LlamaConfig", "LlamaForCausalLM", dict(_LLAMA_GEOMETRY),
                       {"max_shard_size": "20KB"}),
 }
+
+# The first families' seeds (their sorted order once); a new name's seed is its crc32, so adding
+# a checkpoint changes no other checkpoint's weights.
+_SEEDS = {"gpt2": 0, "llama": 1, "llama3": 2, "mistral": 4, "qwen2": 5, "qwen3": 6}
 
 # generation_config.json eos ids (merged with config.json's by models.load)
 GENERATION_EOS = {"llama": [3, EOS_ID]}
@@ -153,7 +209,8 @@ def tiny_hf_checkpoint(tmp_path_factory, hf_tokenizer_dir):
         config = getattr(transformers, config_cls)(**kwargs)
         torch.manual_seed(0)
         model = getattr(transformers, model_cls)(config).to(torch.float32).eval()
-        seed = sorted(HF_CHECKPOINTS).index(name.replace("_sharded", ""))
+        base = name.replace("_sharded", "")
+        seed = _SEEDS.get(base, zlib.crc32(base.encode()) % 2**31)
         _randomize(model, seed)
         out = tmp_path_factory.mktemp(f"hf_{name}")
         model.save_pretrained(out, safe_serialization=True, **save_kwargs)

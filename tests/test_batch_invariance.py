@@ -24,10 +24,11 @@ import models
 from jaxdecode.device import decode
 from jaxdecode.device import cache_ops
 from jaxdecode import shapes
-from jaxdecode.engine import step_ops
+from jaxdecode.engine import runner, step_ops
 from jaxdecode.device.state import RowParams
 
-FAMILIES = ["llama", "llama3", "mistral", "qwen2", "gpt2", "demo"]
+FAMILIES = ["llama", "llama3", "mistral", "qwen2", "gpt2", "demo", "qwen3", "gemma2", "gemma3",
+            "phi3"]
 BATCHES = (1, 2, 3, 7, 16)
 STEPS = 3                       # decode steps compared after the prefill
 FIB = "def fibonacci(n):"
@@ -85,24 +86,43 @@ def _probe_logits(model, params, prompts, settings_, slot):
             np.asarray(bufs[0][slot]).tolist())
 
 
-# (family, row tile): every family at the default tile, two at a wide one (LLM(row_tile=16))
-TILED = [(name, models.layers.ROW_TILE) for name in FAMILIES] + [("llama", 16), ("demo", 16)]
+# (family, row tile, exhaustive): every family at the default tile, two also at a wide one
+# (LLM(row_tile=16)). Llama and the demo model run every batch size, slot count and row count;
+# the other families run the hardest case of each (alone against one crowded, ragged batch) in
+# the default run, and every size under the `exhaustive` marker (`make test-exhaustive`, the
+# second step of CI).
+EXHAUSTIVE = ("llama", "demo")
 
 
-@pytest.mark.parametrize("name,row_tile", TILED)
+def _tiled_cases():
+    tile = models.layers.ROW_TILE
+    cases = []
+    for name in FAMILIES:
+        cases.append(pytest.param(name, tile, name in EXHAUSTIVE, id=f"{name}-{tile}"))
+        if name not in EXHAUSTIVE:
+            cases.append(pytest.param(name, tile, True, id=f"{name}-{tile}-every-size",
+                                      marks=pytest.mark.exhaustive))
+    return cases + [pytest.param(name, 16, True, id=f"{name}-16") for name in EXHAUSTIVE]
+
+
+TILED = _tiled_cases()
+
+
+@pytest.mark.parametrize("name,row_tile,every", TILED)
 def test_invariance_logits_prefill_and_device_loop_bitwise_at_every_batch_size(family, name,
-                                                                               row_tile):
+                                                                               row_tile, every):
     """Prefill logits of a probe row, and its logits after STEPS steps of the on-device loop:
     bitwise equal alone and in batches of 2, 3, 7 and 16, at a random slot among random
     neighbours (other prompt buckets, cache lengths and settings), at the default row tile and
-    at 16 rows (a batch of 16 is then one product per weight, a lone row a padded one)."""
+    at 16 rows (a batch of 16 is then one product per weight, a lone row a padded one). Without
+    `every`: alone and in a batch of 7 (two tiles, the second ragged)."""
     model, params = family(name)
     model = model.with_row_tile(row_tile)
     rng = np.random.default_rng(FAMILIES.index(name))
     vocab = model.config.vocab_size
     probe = _prompt(rng, vocab, 1, 9)
     ref = None
-    for size in BATCHES:
+    for size in BATCHES if every else (1, 7):
         prompts, settings_, slot = _batch(rng, vocab, probe, size)
         settings_[slot] = PROBE_SP
         logits, tokens = _probe_logits(model, params, prompts, settings_, slot)
@@ -143,8 +163,8 @@ def _engine_logits(model, params, max_slots, max_len, probe, neighbours, slot):
     engine's attention bucket rule. Returns the probe row's logits after the prefill and after
     each step."""
     eos = model.config.eos_token_ids
-    ctx = step_ops.Context(model, params, max_slots, max_len, eos)
-    state, _ = step_ops.apply(ctx, None, step_ops.init(max_slots, max_len, eos, ctx.num_pages,
+    ctx = runner.Context(model, params, max_slots, max_len, eos)
+    state, _ = runner.apply(ctx, None, step_ops.init(max_slots, max_len, eos, ctx.num_pages,
                                                        ctx.page_size))
     prompts = [probe] + neighbours[:max_slots - 1]
     targets = [slot] + [s for s in range(max_slots) if s != slot][:len(prompts) - 1]
@@ -161,20 +181,22 @@ def _engine_logits(model, params, max_slots, max_len, probe, neighbours, slot):
             tokens[0, :length] = p[start:start + length]
             final = (step_ops.NewRows(prompt, len(p), np.array([target], np.int32),
                                       table[None], rows) if start + length == len(p) else None)
-            state, _ = step_ops.apply(ctx, state, step_ops.chunk(
+            state, _ = runner.apply(ctx, state, step_ops.chunk(
                 tokens, np.array([start]), np.array([length]), table[None], kv,
                 [(0, final)] if final is not None else ()))
     seen = [np.asarray(state.logits[slot])]
     for t in range(STEPS):
         longest = max(len(p) for p in prompts) + t + 1
         kv_len = shapes.kv_bucket(longest, max_len)
-        state, _ = step_ops.apply(ctx, state, step_ops.step(kv_len))
+        state, _ = runner.apply(ctx, state, step_ops.step(kv_len))
         seen.append(np.asarray(state.logits[slot]))
     return seen
 
 
-@pytest.mark.parametrize("name,row_tile", TILED)
-def test_invariance_engine_logits_bitwise_at_every_max_slots(family, name, row_tile):
+@pytest.mark.parametrize("name,row_tile,every", TILED)
+def test_invariance_engine_logits_bitwise_at_every_max_slots(family, name, row_tile, every):
+    """The engine's device path: the probe's logits after its prefill and each decode step are
+    bitwise those at max_slots 1 with neighbours at max_slots 3 and 8 (without `every`: 8)."""
     model, params = family(name)
     model = model.with_row_tile(row_tile)
     rng = np.random.default_rng(200 + FAMILIES.index(name))
@@ -185,7 +207,7 @@ def test_invariance_engine_logits_bitwise_at_every_max_slots(family, name, row_t
     neighbours = [_prompt(rng, vocab, 300, 320) if max_len > 256 else _prompt(rng, vocab)]
     neighbours += [_prompt(rng, vocab) for _ in range(6)]
     ref = _engine_logits(model, params, 1, max_len, probe, [], 0)
-    for max_slots, slot in ((3, 2), (8, 5)):
+    for max_slots, slot in ((3, 2), (8, 5)) if every else ((8, 5),):
         got = _engine_logits(model, params, max_slots, max_len, probe, neighbours, slot)
         for i, (a, b) in enumerate(zip(ref, got)):
             assert np.array_equal(a, b), (
@@ -214,16 +236,18 @@ def test_invariance_engine_logits_bitwise_across_attention_buckets(kv_heads):
         assert np.array_equal(a, b), f"logits after {'prefill' if i == 0 else f'step {i}'}"
 
 
-@pytest.mark.parametrize("name,row_tile", TILED)
-def test_invariance_X1_engine_chunk_calls_bitwise_at_every_row_count(family, name, row_tile):
+@pytest.mark.parametrize("name,row_tile,every", TILED)
+def test_invariance_X1_engine_chunk_calls_bitwise_at_every_row_count(family, name, row_tile,
+                                                                     every):
     """X1 in the engine's prefill: the chunks of one iteration that share a program shape run
     in one call (scheduler.chunks), and every row's logits and KV pages are bitwise those of
     its chunk run alone, whatever the call's row count (1 to 8, padded to `shapes.row_bucket`:
     1, 2, 3, 4, 6, 8) and the row's place in it -- the prefix cache's exactness depends on it.
-    Two chunks per prompt, so the second reads pages the first wrote."""
+    Two chunks per prompt, so the second reads pages the first wrote. Without `every`: calls of
+    3 and 8 rows."""
     model, params = family(name)
     model = model.with_row_tile(row_tile)
-    ctx = step_ops.Context(model, params, 8, 64, model.config.eos_token_ids)
+    ctx = runner.Context(model, params, 8, 64, model.config.eos_token_ids)
     rng = np.random.default_rng(7)
     vocab, t = model.config.vocab_size, 16
     prompts = [_prompt(rng, vocab, t + 1, 2 * t) for _ in range(8)]
@@ -248,7 +272,7 @@ def test_invariance_X1_engine_chunk_calls_bitwise_at_every_row_count(family, nam
         return logits, np.asarray(state.cache.k)[:, :, 1:], np.asarray(state.cache.v)[:, :, 1:]
 
     alone = run([[[i] for i in range(8)]] * 2)
-    for rows in (2, 3, 4, 5, 6, 8):
+    for rows in (2, 3, 4, 5, 6, 8) if every else (3, 8):
         order = [rng.permutation(8).tolist() for _ in range(2)]
         logits, k, v = run([[o[j:j + rows] for j in range(0, 8, rows)] for o in order])
         assert np.array_equal(k, alone[1]) and np.array_equal(v, alone[2]), (

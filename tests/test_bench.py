@@ -51,3 +51,24 @@ def test_invariance_flags_name_their_conflicts():
         cli.main(["bench", "--invariance-tax", "--no-batch-invariant"])
     with pytest.raises(SystemExit, match="--no-batch-invariant: not used by the HTTP load test"):
         cli.main(["bench", "--serve", "--no-batch-invariant"])
+
+
+def test_gemma_512_named_config_is_what_its_hf_config_loads_as(tmp_path):
+    """`bench --model gemma-512`: the jaxdecode model built from the named configuration is the
+    one models.load reads from the HF Gemma 2 config of the same keywords (the --compare-hf
+    path), so both columns time the same architecture."""
+    import dataclasses
+    import json
+
+    import transformers
+
+    from jaxdecode.cli.bench.configs import BENCH_CONFIGS, named_model
+    from models import hf
+
+    kw = dict(BENCH_CONFIGS["gemma-512"])
+    config = transformers.AutoConfig.for_model(kw.pop("model_type"), **kw)
+    (tmp_path / "config.json").write_text(json.dumps(config.to_dict()))
+    loaded = hf._gemma_config(config.to_dict(), tmp_path / "config.json", "gemma2", ())
+    ours = named_model("gemma-512").config
+    assert ours == dataclasses.replace(loaded, eos_token_ids=ours.eos_token_ids)
+    assert ours.sliding_window == 512 and ours.attn_logit_softcapping == 50.0

@@ -109,10 +109,10 @@ def test_fast_path_runs_a_lone_row_as_one_row_everywhere(demo):
     prompt = [_prompt(np.random.default_rng(3), model.config.vocab_size, 6, 7)]
     sp = jd.SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     with jd.LLM(model, params, tok, max_slots=1, max_len=64, batch_invariant=False) as llm:
-        assert llm._core.ctx.rows == 1
+        assert llm._core.runner.ctx.rows == 1
         engine = list(llm.generate(prompt, sp)[0].token_ids)
     with jd.LLM(model, params, tok, max_slots=1, max_len=64) as llm:
-        assert llm._core.ctx.rows == 2
+        assert llm._core.runner.ctx.rows == 2
     alone = jd.generate(model, params, prompt, sp, batch_invariant=False).tokens(0)
     assert len(alone) == len(engine) == 6
     beams = jd.beam_search(model, params, prompt, num_beams=2, max_new_tokens=6,

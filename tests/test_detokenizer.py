@@ -105,6 +105,23 @@ def test_detok_D3_not_byte_mappable_uses_window():
     assert IncrementalDetokenizer(wordpiece_tokenizer()).mode == "window"
 
 
+def test_detok_D3_factory_builds_one_class_per_mode():
+    from jaxdecode.host.detokenizer import BytesDetokenizer, WindowDetokenizer
+
+    assert type(IncrementalDetokenizer(BL)) is BytesDetokenizer
+    assert type(IncrementalDetokenizer(BL, mode="window")) is WindowDetokenizer
+    assert type(IncrementalDetokenizer(wordpiece_tokenizer())) is WindowDetokenizer
+    assert isinstance(BytesDetokenizer(BL), IncrementalDetokenizer)
+    with pytest.raises(ValueError, match="bytes mode is not available"):
+        IncrementalDetokenizer(wordpiece_tokenizer(), mode="bytes")
+    with pytest.raises(ValueError, match="bytes mode is not available"):
+        BytesDetokenizer(wordpiece_tokenizer())
+    with pytest.raises(ValueError, match="mode: WindowDetokenizer decodes in 'window' mode"):
+        WindowDetokenizer(BL, mode="bytes")
+    with pytest.raises(ValueError, match="mode must be one of"):
+        IncrementalDetokenizer(BL, mode="fast")
+
+
 def test_detok_vocab_info_is_cached_per_tokenizer():
     assert vocab_info(BL) is vocab_info(BL)
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import jaxdecode as jd
-from jaxdecode.engine import step_ops
+from jaxdecode.engine import runner, step_ops
 from jaxdecode.device.constraints.tables import GrammarTables
 from jaxdecode.device.state import RowParams
 from serving import distributed as dist
@@ -88,13 +88,13 @@ def test_step_ops_errors_name_the_field():
     np.savez(buf, __version__=np.int32(step_ops.VERSION + 1), __code__=np.int32(step_ops.STOP))
     with pytest.raises(ValueError, match="payload: step op format"):
         step_ops.from_bytes(buf.getvalue())
-    ctx = step_ops.Context(None, None, max_slots=4, max_len=64, eos_token_ids=(2,))
+    ctx = runner.Context(None, None, max_slots=4, max_len=64, eos_token_ids=(2,))
     with pytest.raises(ValueError, match="max_len: the leader uses 128"):
-        step_ops.apply(ctx, None, step_ops.init(4, 128, (2,), ctx.num_pages, ctx.page_size))
+        runner.apply(ctx, None, step_ops.init(4, 128, (2,), ctx.num_pages, ctx.page_size))
     with pytest.raises(ValueError, match="num_pages: the leader uses 9"):
-        step_ops.apply(ctx, None, step_ops.init(4, 64, (2,), 9, ctx.page_size))
+        runner.apply(ctx, None, step_ops.init(4, 64, (2,), 9, ctx.page_size))
     with pytest.raises(ValueError, match="stop is not applied"):
-        step_ops.apply(ctx, None, step_ops.stop())
+        runner.apply(ctx, None, step_ops.stop())
 
 
 def test_payload_buckets_are_powers_of_two():
@@ -103,11 +103,11 @@ def test_payload_buckets_are_powers_of_two():
 
 
 class _Recorder:
-    """Wraps step_ops.apply: the STEP outputs of each thread (engine, follower), in order."""
+    """Wraps runner.apply: the STEP outputs of each thread (engine, follower), in order."""
 
     def __init__(self, monkeypatch):
         self.outputs: dict = {}
-        real = step_ops.apply
+        real = runner.apply
 
         def apply(ctx, state, op):
             state, out = real(ctx, state, op)
@@ -120,7 +120,7 @@ class _Recorder:
                     (np.asarray(json.dumps(out.beams)),))
             return state, out
 
-        monkeypatch.setattr(step_ops, "apply", apply)
+        monkeypatch.setattr(runner, "apply", apply)
 
 
 @pytest.mark.skipif(not os.path.exists(DEMO_WEIGHTS), reason="demo weights are not present")
@@ -179,7 +179,7 @@ MESH_SCRIPT = textwrap.dedent(r"""
     import numpy as np
     import jaxdecode as jd
     import models
-    from jaxdecode.engine import step_ops
+    from jaxdecode.engine import runner, step_ops
     from models import Llama, LlamaConfig
     from serving import distributed as dist
     from tests.host_fixtures import byte_level_from_table
@@ -212,14 +212,14 @@ MESH_SCRIPT = textwrap.dedent(r"""
                               utf8_errors="replace")] * 3
     prompts = [[5, 6, 7], [9, 10], [40, 41, 42, 43], [3], [8, 8], [1, 2, 3, 4, 5]]
     steps = []
-    real = step_ops.apply
+    real = runner.apply
     def apply(ctx, state, op):
         state, o = real(ctx, state, op)
         if op.code == step_ops.STEP:
             steps.append((ctx.replicate_outputs, np.asarray(o.token).tolist(),
                           o.token.sharding.is_fully_replicated))
         return state, o
-    step_ops.apply = apply
+    runner.apply = apply
     with jd.LLM(model, sp, tok, max_slots=4, max_len=64, mesh=mesh, step_hook=Hook()) as llm:
         outs = [list(c.token_ids) for c in llm.generate(prompts, reqs)]
     replay.publish(step_ops.stop())

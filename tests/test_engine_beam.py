@@ -199,12 +199,12 @@ def test_beam_engine_X_replay_reruns_a_beam_record(model, tok):
 
 
 def test_beam_engine_failed_call_fails_its_requests_only(model, tok, monkeypatch):
-    from jaxdecode.engine import step_ops
+    from jaxdecode.engine import runner
 
     def broken(*args, **kw):
         raise RuntimeError("injected device failure")
 
-    monkeypatch.setattr(step_ops, "beam_search", broken)  # the beam lane's BEAM op calls it
+    monkeypatch.setattr(runner, "beam_search", broken)  # the beam lane's BEAM op calls it
     sp = jd.SamplingParams(temperature=0.0, max_tokens=5, utf8_errors="replace")
     with jd.LLM(model, {}, tok, max_slots=2, max_len=64) as llm:
         slot, beam = llm.generate([[5], [7, 8]], [sp, beams(num_beams=2, max_tokens=5)])

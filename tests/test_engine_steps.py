@@ -158,12 +158,11 @@ def test_compaction_rows_are_the_live_slots_and_idle_ones_to_a_power_of_two():
     from jaxdecode.engine.scheduler import Scheduler
 
     s = Scheduler(16, 64, 8, PagePool(64, 16, False), 64, min_rows=2)
-    live = [types.SimpleNamespace(slot=i) for i in (3, 9, 14)]
+    live = [3, 9, 14]
     assert list(s.compact_rows(live[:1])) == [0, 3]
     assert list(s.compact_rows(live)) == [0, 3, 9, 14]
-    assert list(s.compact_rows(live + [types.SimpleNamespace(slot=i) for i in (4, 5)])) == [
-        0, 1, 2, 3, 4, 5, 9, 14]
-    assert s.compact_rows([types.SimpleNamespace(slot=i) for i in range(9)]) is None
+    assert list(s.compact_rows(live + [4, 5])) == [0, 1, 2, 3, 4, 5, 9, 14]
+    assert s.compact_rows(list(range(9))) is None
 
 
 def test_prefill_chunks_of_one_iteration_are_batched_by_program_shape():
@@ -172,13 +171,20 @@ def test_prefill_chunks_of_one_iteration_are_batched_by_program_shape():
     first; `chunk_rows` are
     the row counts such a call can have (warm-up compiles each)."""
     from jaxdecode.engine.pages import PagePool
+    from jaxdecode.engine.placement import Placement
     from jaxdecode.engine.scheduler import Scheduler, chunk_rows
     from jaxdecode.shapes import row_bucket
 
     s = Scheduler(8, 256, 8, PagePool(64, 16, False), 64, min_rows=2)
-    a, b, c, d = (types.SimpleNamespace(prompt_ids=[5] * n, token_ids=[], prefilled=0)
-                  for n in (15, 15, 30, 100))
-    s.prefilling = [a, b, c, d]
+
+    def prefilling(*lengths):  # requests placed with their prompts pending
+        reqs = [type("Req", (), {"prompt_ids": [5] * n, "token_ids": []})() for n in lengths]
+        s.placements.records.update((r, Placement([], prefilling=True, sharers=[]))
+                                   for r in reqs)
+        s.prefilling = list(reqs)
+        return reqs
+
+    a, b, c, d = prefilling(15, 15, 30, 100)
     shape = lambda batch: [(x.request, x.start, x.t, x.length, x.kv_len, x.final)  # noqa: E731
                            for x in batch]
     assert [shape(x) for x in s.chunks()] == [
@@ -186,11 +192,10 @@ def test_prefill_chunks_of_one_iteration_are_batched_by_program_shape():
     assert [shape(x) for x in s.chunks()] == [[(d, 0, 64, 64, 128, False)]]
     assert [shape(x) for x in s.chunks()] == [[(d, 64, 64, 36, 128, True)]]
     assert s.chunks() == [] and s.prefilling == []
+    assert not any(s.placements[x].prefilling for x in (a, b, c, d))  # they decode now
     # the shortest chunks run first, whatever the order of arrival: their prompts' first
     # tokens stream as soon as their own call ends (core.py)
-    e, f = (types.SimpleNamespace(prompt_ids=[5] * n, token_ids=[], prefilled=0)
-            for n in (30, 15))
-    s.prefilling = [e, f]
+    e, f = prefilling(30, 15)
     assert [shape(x) for x in s.chunks()] == [[(f, 0, 16, 15, 128, True)],
                                               [(e, 0, 32, 30, 128, True)]]
     # row counts: powers of two and three quarters of them (shapes.row_bucket), at most one

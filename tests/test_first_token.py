@@ -117,11 +117,11 @@ def test_start_rows_X1_one_call_equals_row_by_row(llama, monkeypatch):
 
     from jaxdecode.device import chunks, decode
     from jaxdecode.device.state import RowParams
-    from jaxdecode.engine import step_ops
+    from jaxdecode.engine import runner, step_ops
 
     model, params, _ = llama
     vocab, eos = model.config.vocab_size, (0,)
-    ctx = step_ops.Context(model, params, 6, 64, eos)
+    ctx = runner.Context(model, params, 6, 64, eos)
     sps = [jd.SamplingParams(temperature=0.9, seed=4, top_k=7),
            jd.SamplingParams(temperature=0.9, seed=5, presence_penalty=0.7),
            jd.SamplingParams(temperature=0.0, repetition_penalty=1.5),
@@ -151,14 +151,14 @@ def test_start_rows_X1_one_call_equals_row_by_row(llama, monkeypatch):
 
     def run(path):
         monkeypatch.setattr(PlainBackend, "start", path)
-        state, _ = step_ops.apply(ctx, None, step_ops.init(6, 64, eos, ctx.num_pages, 16))
+        state, _ = runner.apply(ctx, None, step_ops.init(6, 64, eos, ctx.num_pages, 16))
         state = state.replace(grammar_state=np.full((6,), -1, np.int32))
         calls = []
         for name in ("start_rows", "new_rows"):
             real = getattr(chunks, name)
             monkeypatch.setattr(chunks, name, lambda *a, _r=real, _n=name, **k: (
                 calls.append(_n), _r(*a, **k))[1])
-        state, first = step_ops.apply(ctx, state, op)
+        state, first = runner.apply(ctx, state, op)
         monkeypatch.undo()
         return jax.device_get(state), first, calls
 

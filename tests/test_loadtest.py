@@ -1,7 +1,8 @@
-"""The HTTP load test (serving/loadtest.py, `jaxdecode bench --serve`): its pure pieces on a
-hand-made stream, the workloads, the arrivals and the vLLM-style metrics; a run against a fake
-OpenAI-compatible server that is not jaxdecode (vLLM's shape: `model` required, no /metrics);
-and tiny end-to-end runs against a `jaxdecode serve` subprocess on the demo model."""
+"""The HTTP load test (jaxdecode/cli/bench/loadtest/, `jaxdecode bench --serve`): its pure
+pieces on a hand-made stream, the workloads, the arrivals and the vLLM-style metrics; a run
+against a fake OpenAI-compatible server that is not jaxdecode (vLLM's shape: `model` required,
+no /metrics); and tiny end-to-end runs against a `jaxdecode serve` subprocess on the demo
+model."""
 
 import http.server
 import json
@@ -15,12 +16,13 @@ import numpy as np
 import pytest
 
 from jaxdecode import cli
-from serving import loadtest
-from serving.loadtest import (LoadConfig, RequestResult, WorkItem, apply_event, arrival_offsets,
-                              chunk_text, format_table, make_workload, markdown_table,
-                              parse_metrics, percentiles, prefix_cache_delta, request_body,
-                              requests_running, sharegpt_lengths, sse_events, stats_ms,
-                              summarize)
+from jaxdecode.cli.bench import loadtest
+from jaxdecode.cli.bench.loadtest import (LoadConfig, RequestResult, WorkItem, apply_event,
+                                          arrival_offsets, chunk_text, format_table,
+                                          make_workload, markdown_table, parse_metrics,
+                                          percentiles, prefix_cache_delta, request_body,
+                                          requests_running, sharegpt_lengths, sse_events,
+                                          stats_ms, summarize)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -339,6 +341,14 @@ def test_bench_modes_reject_the_other_modes_flags():
         cli.main(["bench", "--serve", "--batch", "2"])
     with pytest.raises(SystemExit, match="--requests.*add --serve"):
         cli.main(["bench", "--requests", "5"])
+
+
+def test_python_m_entry_point_takes_the_bench_serve_flags():
+    proc = subprocess.run([sys.executable, "-m", "jaxdecode.cli.bench.loadtest", "--help"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "python -m jaxdecode.cli.bench.loadtest" in proc.stdout
+    assert "--served-model-name" in proc.stdout and "--workload" in proc.stdout
 
 
 def test_bench_serve_demo_model_end_to_end(tmp_path):

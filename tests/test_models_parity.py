@@ -24,7 +24,8 @@ import models
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-FAMILIES = ["llama", "llama3", "mistral", "qwen2", "gpt2", "llama_sharded"]
+FAMILIES = ["llama", "llama3", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "gpt2",
+            "llama_sharded"]
 PROMPTS = ["the quick brown fox", "hello world this is a test"]
 BUCKET = 16      # prompt bucket (T of the prefill call)
 MAX_LEN = 32     # cache length
@@ -134,6 +135,23 @@ def test_mistral_sliding_window_matters(tiny_hf_checkpoint):
     assert diff > 1e-2
 
 
+@pytest.mark.parametrize("name,override", [
+    ("gemma2", {"attn_logit_softcapping": None}), ("gemma2", {"final_logit_softcapping": None}),
+    ("gemma3", {"sliding_window": 64}), ("phi3", {"sliding_window": None}),
+], ids=["gemma2-attn-softcap", "gemma2-final-softcap", "gemma3-window", "phi3-window"])
+def test_fixture_features_matter(tiny_hf_checkpoint, name, override):
+    """Each feature the new fixtures configure changes HF's logits on the parity prompt, so the
+    parity above checks it."""
+    path = tiny_hf_checkpoint(name)
+    _, _, tok = models.load(path)
+    ids = torch.tensor([tok(PROMPTS[1], add_special_tokens=False)["input_ids"]])
+    other = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=torch.float32, attn_implementation="eager", **override).eval()
+    with torch.no_grad():
+        diff = (_hf_model(str(path))(ids).logits - other(ids).logits).abs().max().item()
+    assert diff > 1e-2
+
+
 def test_load_config_fields(tiny_hf_checkpoint):
     llama, params, tok = models.load(tiny_hf_checkpoint("llama"))
     c = llama.config
@@ -152,6 +170,24 @@ def test_load_config_fields(tiny_hf_checkpoint):
     assert qwen.config.attention_bias and qwen.config.tie_word_embeddings
     assert qwen.config.sliding_window is None and "lm_head" not in qparams
     assert float(jnp.abs(qparams["layers"][0]["q_bias"]).max()) > 0
+    qwen3, q3params, _ = models.load(tiny_hf_checkpoint("qwen3"))
+    assert qwen3.config.qk_norm and not qwen3.config.attention_bias
+    assert qwen3.config.head_dim == 16 and q3params["layers"][1]["k_norm"].shape == (16,)
+    gemma2, g2params, _ = models.load(tiny_hf_checkpoint("gemma2"))
+    g2 = gemma2.config
+    assert isinstance(gemma2, models.Gemma) and "lm_head" not in g2params
+    assert g2.layer_types == ("sliding_attention", "full_attention", "sliding_attention")
+    assert (g2.sliding_window, g2.query_pre_attn_scalar, g2.attn_logit_softcapping,
+            g2.final_logit_softcapping, g2.rope_local_theta, g2.qk_norm) == (4, 12, 2, 3, None,
+                                                                             False)
+    gemma3, _, _ = models.load(tiny_hf_checkpoint("gemma3"))
+    g3 = gemma3.config
+    assert g3.qk_norm and g3.rope_local_theta == 10.0 and g3.rope_theta == 100000.0
+    assert dict(g3.rope_scaling)["factor"] == 4.0 and g3.attn_logit_softcapping is None
+    assert g3.layer_types == ("sliding_attention", "sliding_attention", "full_attention")
+    phi3, _, _ = models.load(tiny_hf_checkpoint("phi3"))
+    assert phi3.config.max_len == 64     # capped at original_max_position_embeddings
+    assert phi3.config.rope_scaling_dict["factor"] == 2.0 and phi3.config.sliding_window == 6
     gpt2, gparams, _ = models.load(tiny_hf_checkpoint("gpt2"))
     assert isinstance(gpt2, models.GPT2) and gpt2.config.max_len == 64
     assert gpt2.config.eos_token_ids == (2,) and gparams["pos_embed"].shape == (64, 32)

@@ -17,7 +17,7 @@ import pytest
 import jaxdecode as jd
 from jaxdecode import invariance
 import models
-from jaxdecode.engine import admission
+from jaxdecode.engine import config as engine_config
 
 FIB = "def fibonacci(n):"
 SP = jd.SamplingParams(temperature=0.8, seed=50448, max_tokens=24, ignore_eos=True)
@@ -101,8 +101,8 @@ def test_row_tile_bad_values_and_models_name_the_field(demo):
         batch_invariant = False
 
     with pytest.raises(ValueError, match="row_tile: Untiled has no row tiles"):
-        admission.row_tiled(Untiled(model.config), 8)
-    assert admission.row_tiled(Untiled(model.config), None).config is model.config
+        engine_config.row_tiled(Untiled(model.config), 8)
+    assert engine_config.row_tiled(Untiled(model.config), None).config is model.config
 
 
 def test_row_tile_the_products_must_be_place_invariant_at_the_tile(monkeypatch):

@@ -685,14 +685,15 @@ def test_chat_template_from_the_tokenizer_or_the_simple_one(hf_tokenizer_dir):
         chat_prompt_ids(hf, [{"role": "tool", "content": "x"}])
 
 
-def test_hf_checkpoint_dir_with_its_chat_template_in_process(tiny_hf_checkpoint):
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2", "gemma3", "phi3"])
+def test_hf_checkpoint_dir_with_its_chat_template_in_process(tiny_hf_checkpoint, family):
     """What `jaxdecode serve --model DIR` serves: models.load + a transformers tokenizer whose
-    chat template renders the prompt (httpx against the ASGI app, no socket)."""
+    chat template renders the prompt (httpx against the ASGI app, no socket); each family."""
     import asyncio
 
     import models
 
-    model, params, tok = models.load(tiny_hf_checkpoint("llama"))
+    model, params, tok = models.load(tiny_hf_checkpoint(family))
     tok.chat_template = "{% for m in messages %}{{ m.role }}: {{ m.content }} {% endfor %}"
     prompt = tok("user: hello world ", add_special_tokens=False)["input_ids"]
     # the model has 128 logits, the tokenizer 120 tokens: keep the sampler inside the tokenizer

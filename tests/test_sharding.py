@@ -12,7 +12,7 @@ import jax
 import pytest
 from jax.sharding import AbstractMesh, PartitionSpec as P
 
-from models import GPT2, GPT2Config, Llama, LlamaConfig
+from models import GPT2, GPT2Config, Gemma, GemmaConfig, Llama, LlamaConfig
 from models import sharding
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -55,7 +55,7 @@ SCRIPT = textwrap.dedent(r"""
             done = llm.generate(prompts, reqs)
             outs = [list(o.token_ids) for o in done]
             assert [e.token_id for e in done[0].logprobs] == outs[0]
-            st = llm._core.state
+            st = llm._core.runner.state
             return outs, {"k": spec(st.cache.k), "lengths": spec(st.cache.lengths),
                           "page_table": spec(st.cache.page_table),
                           "last_token": spec(st.last_token)}
@@ -159,7 +159,12 @@ def test_engine_with_mesh_matches_and_shards_the_cache(mesh_run):
     GPT2(GPT2Config(vocab_size=64, num_layers=2, num_heads=4, num_kv_heads=4, head_dim=8,
                     max_len=32, hidden_size=32, intermediate_size=64,
                     tie_word_embeddings=False)),
-], ids=["llama-bias", "llama-tied", "gpt2"])
+    Llama(LlamaConfig(vocab_size=64, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8,
+                      max_len=32, hidden_size=32, intermediate_size=64, qk_norm=True)),
+    Gemma(GemmaConfig(vocab_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+                      max_len=32, hidden_size=32, intermediate_size=64, qk_norm=True,
+                      layer_types=("sliding_attention", "full_attention"), sliding_window=4)),
+], ids=["llama-bias", "llama-tied", "gpt2", "qwen3", "gemma3"])
 def test_rules_cover_every_param(model):
     shapes = jax.eval_shape(model.init_params, jax.random.key(0))
     assert sharding.unmatched(shapes) == []
@@ -174,6 +179,8 @@ def test_rules_cover_every_param(model):
         assert specs["layers/1/proj"] == P("model") and specs["layers/1/proj_bias"] == P()
         assert specs["pos_embed"] == P() and specs["final_norm_bias"] == P()
         assert specs["lm_head"] == P(None, "model")
+    elif getattr(model.config, "qk_norm", False):
+        assert specs["layers/0/q_norm"] == P() and specs["layers/0/k_norm"] == P()
     elif model.config.attention_bias:
         assert specs["layers/0/k_bias"] == P("model") and specs["layers/0/down"] == P("model")
 
@@ -198,3 +205,52 @@ def test_parse_mesh_and_serve_flag():
     from jaxdecode.cli import build_parser
     args = build_parser().parse_args(["serve", "--mesh", "data=1,model=1"])
     assert args.mesh == "data=1,model=1"
+
+
+FAMILY_SCRIPT = textwrap.dedent(r"""
+    import json
+    import sys
+    import jax
+    import jaxdecode as jd
+    import models
+    from tests.host_fixtures import byte_level_from_table
+
+    assert jax.device_count() == 8, jax.devices()
+    tok = byte_level_from_table({})
+    greedy = jd.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True,
+                               utf8_errors="replace")
+    prompts = [[5, 6, 7, 8, 9, 10], [9, 10], [40, 41, 42, 43]]
+    out = {}
+    for path in sys.argv[1:]:
+        model, params, _ = models.load(path)
+        row = {"reference": jd.generate(model, params, prompts, greedy).token_ids.tolist()}
+        for data, model_axis in ((1, 2), (4, 2)):   # 2 kv heads: "model" of 2
+            mesh = models.make_mesh(data, model_axis)
+            sp = models.shard_params(params, mesh)
+            row[f"{data}x{model_axis}"] = jd.generate(model, sp, prompts, greedy).token_ids.tolist()
+            with jd.LLM(model, sp, tok, max_slots=4, max_len=32, mesh=mesh) as llm:
+                done = llm.generate(prompts, greedy)
+                row[f"{data}x{model_axis}-engine"] = [list(o.token_ids) for o in done]
+        row["unmatched"] = models.sharding.unmatched(params)
+        out[path] = row
+    print("RESULT" + json.dumps(out))
+""")
+
+
+def test_new_families_shard_like_one_device(tiny_hf_checkpoint):
+    """Qwen3, Gemma 2, Gemma 3 and Phi-3 (tiny HF checkpoints) on 8 simulated devices, meshes
+    1x2 and 4x2: greedy tokens of jd.generate and of the engine equal one device's."""
+    paths = [str(tiny_hf_checkpoint(n)) for n in ("qwen3", "gemma2", "gemma3", "phi3")]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
+               XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") +
+                          " --xla_force_host_platform_device_count=8").strip())
+    proc = subprocess.run([sys.executable, "-c", FAMILY_SCRIPT, *paths], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT")][-1]
+    for path, row in json.loads(line[len("RESULT"):]).items():
+        assert row["unmatched"] == [], path
+        assert all(len(t) == 8 for t in row["reference"]), path
+        for mesh in ("1x2", "4x2"):
+            assert row[mesh] == row["reference"], (path, mesh)
+            assert row[f"{mesh}-engine"] == row["reference"], (path, mesh)

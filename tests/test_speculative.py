@@ -74,6 +74,28 @@ def test_speculative_greedy_equals_target_greedy(target, draft, kind):
         assert out.stats["accepted"][0] > 0
 
 
+@pytest.mark.parametrize("family", ["qwen3", "gemma2", "gemma3", "phi3"])
+def test_speculative_greedy_with_a_same_family_draft(tiny_hf_checkpoint, family):
+    """A family's tiny HF checkpoint with a draft of its own family (its first layer alone):
+    greedy speculative tokens equal the target's greedy tokens."""
+    import dataclasses
+
+    import models
+
+    tm, tp, _ = models.load(tiny_hf_checkpoint(family))
+    c = tm.config
+    one = dict(num_layers=1, **({"layer_types": c.layer_types[:1]}
+                                if isinstance(tm, models.Gemma) else {}))
+    dm = dataclasses.replace(tm, config=dataclasses.replace(c, **one))
+    dp = dict(tp, layers=tp["layers"][:1])
+    prompts = [[5, 6, 7, 5, 6, 7], [30, 31, 32, 33, 34], [9]]
+    rows = [greedy(12, ignore_eos=True), greedy(9, ignore_eos=True), greedy(5, ignore_eos=True)]
+    want = jd.generate(tm, tp, prompts, rows)
+    out = jd.speculative_generate(tm, tp, dm, dp, prompts, rows, k=3)
+    np.testing.assert_array_equal(out.token_ids, want.token_ids)
+    check_counters(out, 3)
+
+
 def test_speculative_no_overshoot_past_eos_stop_or_max_tokens():
     script = [0, 5, 6, EOS, 7, 9, 7, 7, 7, 7, 7, 7]
     model = ScriptedModel.make(script, eos_token_ids=(EOS,))

@@ -204,6 +204,31 @@ def test_engine_options_are_validated():
             jd.LLM(model, {}, byte_tokenizer(), max_len=128, **kwargs)
 
 
+def test_engine_config_is_validated_once_and_given_or_built_from_keywords():
+    """engine/config.py: an EngineConfig raises its construction errors itself (ValueError
+    naming the field); what needs the model (its context) is checked by the LLM; the LLM takes
+    it as `config=` or builds it from the same keywords, not both."""
+    model = ScriptedModel.make(SCRIPT, vocab_size=V, max_len=128)
+    for kwargs, field in ((dict(max_slots=0), "max_slots"), (dict(max_queue=0), "max_queue"),
+                          (dict(page_size=0), "page_size"), (dict(prefill_chunk=24),
+                                                             "prefill_chunk"),
+                          (dict(kv_pages=1), "kv_pages"), (dict(decode_steps=0),
+                                                           "decode_steps"),
+                          (dict(max_n=0), "max_n")):
+        with pytest.raises(ValueError, match=f"^{field}: "):
+            jd.EngineConfig(max_len=128, **kwargs)
+    config = jd.EngineConfig(max_slots=2, max_len=128)
+    with pytest.raises(ValueError, match="^max_len: "):  # the model's context is 128
+        jd.LLM(model, {}, byte_tokenizer(), config=jd.EngineConfig(max_len=4096))
+    with pytest.raises(ValueError, match="^config: "):
+        jd.LLM(model, {}, byte_tokenizer(), config=config, max_slots=4)
+    sp = jd.SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    with jd.LLM(model, {}, byte_tokenizer(), config=config) as given, \
+            jd.LLM(model, {}, byte_tokenizer(), max_slots=2, max_len=128) as built:
+        assert given.config == built.config and given.kv == config.kv
+        assert given.generate("The", sp)[0].token_ids == built.generate("The", sp)[0].token_ids
+
+
 def test_engine_beam_calls_are_formed_within_the_kv_budget(llm):
     """Budget: max(max_slots 2, max_num_beams 4) x 128 = 512 positions. Width 4 with 20 new
     tokens allocates 4 x 64 per row (two rows per call); with 60, 4 x 128 (one per call)."""

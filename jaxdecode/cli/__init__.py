@@ -15,7 +15,7 @@ together (the apps layer of docs/architecture.md). Only this package of `jaxdeco
     jaxdecode bench [--model DIR|demo|CONFIG] [--batch N]... [--compare-hf] [--json FILE]
     jaxdecode bench --serve [--model DIR|demo | --url URL] [--requests N] [--concurrency C]...
         [--max-tokens N] [--max-slots N] [--json FILE]
-        (the HTTP load test of `serving.loadtest`: streaming requests against `jaxdecode serve`)
+        (the HTTP load test of `jaxdecode.cli.bench.loadtest`: streaming requests against `jaxdecode serve`)
 
 One module per subcommand (`generate`, `replay`, `serve`, `bench/`), each with `add_parser`.
 """

@@ -32,33 +32,26 @@ import itertools
 import os
 from typing import Any, Callable, Optional, Sequence, Union
 
-from jaxdecode import invariance
 from jaxdecode.config import SamplingParams
-from jaxdecode.device import constraints, decode, numerics
+from jaxdecode.device import constraints, decode
 from jaxdecode.device.state import seed_key_data
+from jaxdecode.engine.config import MAX_N, MAX_NUM_BEAMS
 from jaxdecode.engine.request import Request
 from jaxdecode.prompts import token_row
-from jaxdecode.tokenization import encode, eos_token_id
+from jaxdecode.tokenization import encode
 
 Prompt = Union[str, Sequence[int]]
-
-MAX_NUM_BEAMS = 16
-MAX_N = 128
 
 
 @dataclasses.dataclass(frozen=True)
 class EngineLimits:
+    """The per-request bounds of an engine (its `EngineConfig`, validated there)."""
+
     max_len: int          # the engine's positions per sequence
     max_slots: int
     model_max_len: int    # the model's context (beam searches allocate up to it)
     max_num_beams: int = MAX_NUM_BEAMS
     max_n: int = MAX_N
-
-    def __post_init__(self):
-        for name in ("max_num_beams", "max_n"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}: must be a positive integer, got {value!r}")
 
     @property
     def kv_positions(self) -> int:
@@ -88,98 +81,6 @@ def check(sp: SamplingParams, prompt_len: int, limits: EngineLimits) -> Sampling
                          f"{prompt_len}-token prompt leaves in max_len {limits.max_len}), "
                          f"got {sp.min_tokens}")
     return sp if max_new == sp.max_tokens else dataclasses.replace(sp, max_tokens=max_new)
-
-
-def _integer(name: str, value: Any, low: int = 1, high: Optional[int] = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low or (
-            high is not None and value > high):
-        bound = f"in [{low}, {high}]" if high is not None else "a positive integer"
-        raise ValueError(f"{name}: must be {bound}, got {value!r}")
-
-
-def row_tiled(model: Any, row_tile: Optional[int],
-              batch_invariant: Optional[bool] = None) -> Any:
-    """`model` on `row_tile`-row weight-product tiles (None: its own tile), without invariance
-    where `batch_invariant` is False (`invariance.configure`; ValueError naming the field)."""
-    return invariance.configure(model, batch_invariant, row_tile)
-
-
-def check_sizes(max_slots: int, max_len: int, max_queue: int, model_max_len: int) -> None:
-    """The engine's sizes (ValueError naming the argument)."""
-    _integer("max_slots", max_slots)
-    _integer("max_len", max_len, 2, model_max_len)
-    _integer("max_queue", max_queue)
-
-
-@dataclasses.dataclass(frozen=True)
-class KVLayout:
-    """The KV cache in pages: `pages` allocatable pages of `page_size` positions, prefill in
-    chunks of `chunk` tokens (max_len: no chunking), the prefix cache on or off."""
-
-    pages: int
-    page_size: int
-    chunk: int
-    prefix_cache: bool
-
-    @classmethod
-    def check(cls, max_slots: int, max_len: int, kv_pages: Optional[int], page_size: int,
-              prefill_chunk: Optional[int], prefix_cache: bool) -> "KVLayout":
-        """The layout of these settings (ValueError naming the setting): the page size must
-        divide the chunk; the budget must hold one request of max_len positions (default:
-        max_slots of them, the memory of contiguous slots)."""
-        _integer("page_size", page_size, 1, max_len)
-        per_request = -(-max_len // page_size)
-        chunk = max_len if prefill_chunk is None else prefill_chunk
-        _integer("prefill_chunk", chunk)
-        if chunk % page_size:
-            raise ValueError(f"prefill_chunk: {chunk} is not a multiple of page_size "
-                             f"{page_size} (chunks must end on page boundaries)")
-        pages = max_slots * per_request if kv_pages is None else kv_pages
-        _integer("kv_pages", pages)
-        if pages < per_request:
-            raise ValueError(f"kv_pages: {pages} pages of {page_size} positions hold less than "
-                             f"one request of max_len {max_len} ({per_request} pages)")
-        if not isinstance(prefix_cache, bool):
-            raise ValueError(f"prefix_cache: must be True or False, got {prefix_cache!r}")
-        return cls(pages, page_size, chunk, prefix_cache)
-
-
-DECODE_STEPS = 8  # a plain engine's most decode steps per device call (scheduler.py)
-
-
-def decode_steps(value: Optional[int], spec: Any, research: Any) -> int:
-    """The engine's decode steps per call: `value`, by default DECODE_STEPS for a plain engine
-    and 1 for a speculative one (a step is a round) or one with custom processors (their
-    per-step outputs); ValueError naming decode_steps otherwise."""
-    single = spec is not None or research is not None
-    if value is None:
-        return 1 if single else DECODE_STEPS
-    _integer("decode_steps", value, 1, decode.MAX_STEPS_PER_CALL)
-    if value > 1 and single:
-        raise ValueError(f"decode_steps: must be 1 with {'speculative' if spec else 'processors'}"
-                         f" (one step per call), got {value}")
-    return value
-
-
-def check_options(spec: Any, research: Any, mesh: Any, step_hook: Any) -> None:
-    """The engine options that do not go together (ValueError naming one of them)."""
-    if spec is not None and mesh is not None:
-        raise ValueError("speculative: not supported together with mesh yet")
-    if research is not None and spec is not None:
-        raise ValueError("processors: not supported together with speculative= in the "
-                         "engine (jd.speculative_generate takes processors)")
-    if research is not None and step_hook is not None:
-        raise ValueError("processors: not supported with step_hook (multi-host followers "
-                         "run no user code)")
-
-
-def ending_tokens(model: Any, tokenizer: Any, eos_token_ids: Optional[Sequence[int]]) -> tuple:
-    """The engine's EOS ids: the given ones, else the model's, else the tokenizer's."""
-    if eos_token_ids is None:
-        eos_token_ids = model.config.eos_token_ids
-        if not eos_token_ids and eos_token_id(tokenizer) is not None:
-            eos_token_ids = (eos_token_id(tokenizer),)
-    return tuple(eos_token_ids)
 
 
 def link_samples(requests: list) -> None:

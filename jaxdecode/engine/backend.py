@@ -22,7 +22,9 @@ through one per-token path.
                                    backend `compacts`) -> (state, device output); the plain
                                    backend may run `steps` decode steps in one call
     fetch(out, top_k)              the one host transfer of a step -> StepResult
-    kv_needed(request, steps)      the attention positions the next step needs for a request
+    kv_needed(request, placement, steps)
+                                   the attention positions the next step needs for a request
+                                   (its scheduler `Placement`: steps dispatched, in flight)
     warmup(state, chunks, prompt widths, kv buckets, top-ks, row counts)
     observe(request, result, slot) per-row bookkeeping once a step is processed
 
@@ -96,7 +98,7 @@ class SlotBackend(Protocol):
     def step(self, state: Any, kv_len: int, top_k: int, steps: int = 1,
              rows: Optional[np.ndarray] = None) -> tuple[Any, Any]: ...
     def fetch(self, out: Any, top_k: int) -> StepResult: ...
-    def kv_needed(self, r: Any, steps: int = 1) -> int: ...
+    def kv_needed(self, r: Any, placed: Any, steps: int = 1) -> int: ...
     def warmup(self, state: Any, chunk_shapes: Sequence[tuple], prompt_widths: Sequence[int],
                kv_buckets: Sequence[int], top_ks: Sequence[int],
                row_counts: Sequence[int] = ()) -> Any: ...
@@ -117,7 +119,7 @@ class _Rows:
 
     replicate_outputs: gather each step's output onto every device of `mesh`, so the leader
     can read it when the state is spread over other hosts' devices (a collective: the leader
-    and its followers agree, step_ops.Context)."""
+    and its followers agree, runner.Context)."""
 
     speculative = False
     compacts = False  # `step` runs a subset of rows (`rows`)
@@ -344,9 +346,9 @@ class PlainBackend(_Rows):
         return StepResult(tokens=token, counts=(token >= 0).sum(1).astype(np.int32),
                           finish=finish, logprob=logprob, top_ids=top_ids, top_logprobs=top_lp)
 
-    def kv_needed(self, r: Any, steps: int = 1) -> int:
+    def kv_needed(self, r: Any, placed: Any, steps: int = 1) -> int:
         """Prompt, dispatched steps and the tokens this step writes."""
-        return len(r.prompt_ids) + r.dispatched + steps
+        return len(r.prompt_ids) + placed.dispatched + steps
 
 
 def first_rows(n: int, least: int) -> int:
@@ -393,10 +395,10 @@ class SpeculativeBackend(_Rows):
                           logprob=out.logprob, top_ids=out.top_ids,
                           top_logprobs=out.top_logprobs, accepted=out.accepted)
 
-    def kv_needed(self, r: Any, steps: int = 1) -> int:
+    def kv_needed(self, r: Any, placed: Any, steps: int = 1) -> int:
         """An upper bound of L + k + 1 for the round about to be dispatched: the prompt, the
         processed tokens and k + 1 tokens for each round in flight and this one."""
-        return len(r.prompt_ids) + r.selected + (self.spec.k + 1) * (r.in_flight + 1)
+        return len(r.prompt_ids) + r.selected + (self.spec.k + 1) * (placed.in_flight + 1)
 
     def observe(self, r: Any, result: StepResult, slot: int) -> None:
         """Add one processed round of `r` to its counters and the engine's."""

@@ -1,7 +1,9 @@
 """`LLM`: continuous batching over slots, with streaming, cancellation and deadlines -- the
-thin front of the engine layers (docs/architecture.md "Engine"): admission.py (every check,
-before anything is queued), request.py, scheduler.py (no jax), backend.py (plain | speculative,
-engine/speculative.py), core.py (the engine thread), output.py, beam_lane.py, records.py.
+thin front of the engine layers (docs/architecture.md "Engine"): config.py (`EngineConfig`,
+the construction's checks), admission.py (every request's checks, before anything is queued),
+request.py, scheduler.py (no jax), lowering.py, runner.py, backend.py (plain | speculative,
+engine/speculative.py), core.py (the engine thread), faults.py, output.py, beam_lane.py,
+records.py.
 
 Custom processors (`processors=`, jaxdecode/device/research.py) are fixed for the engine's life
 and apply to every request; not with `speculative=`, `step_hook` nor save / restore; after a
@@ -18,7 +20,9 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 from jaxdecode import replay as replay_lib
 from jaxdecode.config import MAX_LOGPROBS, SamplingParams
 from jaxdecode.device import constraints, research
-from jaxdecode.engine import admission, records, samples, step_ops
+from jaxdecode.engine import admission, records, runner, samples
+from jaxdecode.engine import config as engine_config
+from jaxdecode.engine.config import EngineConfig
 from jaxdecode.engine.core import EngineCore
 from jaxdecode.engine.request import Request, RequestHandle
 from jaxdecode.engine.scheduler import EngineClosed, QueueFull
@@ -27,7 +31,7 @@ from jaxdecode.model_api import DecoderModel
 from jaxdecode.prompts import token_rows
 from jaxdecode.types import Completion, RequestState
 
-__all__ = ["EngineClosed", "LLM", "QueueFull", "RequestHandle"]
+__all__ = ["EngineClosed", "EngineConfig", "LLM", "QueueFull", "RequestHandle"]
 
 Prompt = admission.Prompt
 
@@ -35,65 +39,63 @@ Prompt = admission.Prompt
 class LLM:
     """The engine of docs/architecture.md: `generate`, `stream`, `submit`, `close`; thread-safe.
 
+    Built from an `EngineConfig` (engine/config.py, validated there): `config=`, or its fields
+    as keyword arguments (`LLM(model, params, tokenizer, max_slots=4, ...)`, the same names and
+    defaults; not both). The objects besides it: `mesh`, `speculative` (a dict,
+    engine/speculative.py), `step_hook` (serving/distributed.py) and `processors`.
+
     Per-request bounds: `max_num_beams`, `max_n`; `max_constraint_compile_s` and
     `max_constraint_states` make the `CompileBudget` of a response_format compile.
     `params_hash`: the weights' content hash when the caller knows it (never recomputed);
-    `decode_steps`: decode steps per device call while nothing waits (admission.py);
+    `decode_steps`: decode steps per device call while nothing waits (engine/config.py);
     `row_tile`: rows per weight-product tile of the model and its draft (None: the model's own,
     `invariance.ROW_TILE` by default). Wider tiles make full batches faster and a lone row
     slower; a row's tokens are invariant for one tile, not across two, and records pin it
     (docs/batch_invariance.md "Row tiles as a setting"); `batch_invariant=False`: the model and
     its draft on XLA's plain numerics (X1 not kept; records say `"mode": "none"`)."""
 
-    def __init__(self, model: DecoderModel, params: Any, tokenizer: Any, *, max_slots: int = 8,
-                 max_len: int = 2048, eos_token_ids: Optional[Sequence[int]] = None,
-                 max_queue: int = 1024, max_buffered: int = 4096, backpressure: str = "buffer",
-                 trace: bool = True, model_source: Optional[str] = None,
-                 mesh: Optional[Any] = None, speculative: Optional[dict] = None,
-                 step_hook: Optional[Any] = None, max_num_beams: int = admission.MAX_NUM_BEAMS,
-                 max_n: int = admission.MAX_N, max_constraint_compile_s: float = 30.0,
-                 max_constraint_states: int = constraints.limits.MAX_STATES,
-                 processors: Optional[Sequence[Any]] = None, params_hash: Optional[str] = None,
-                 kv_pages: Optional[int] = None, page_size: int = 16, prefix_cache: bool = True,
-                 prefill_chunk: Optional[int] = 256, decode_steps: Optional[int] = None,
-                 row_tile: Optional[int] = None, batch_invariant: bool = True):
-        model = admission.row_tiled(model, row_tile, batch_invariant)
-        admission.check_sizes(max_slots, max_len, max_queue, model.config.max_len)
+    def __init__(self, model: DecoderModel, params: Any, tokenizer: Any,
+                 config: Optional[EngineConfig] = None, *, mesh: Optional[Any] = None,
+                 speculative: Optional[dict] = None, step_hook: Optional[Any] = None,
+                 processors: Optional[Sequence[Any]] = None, **settings: Any):
+        if config is not None and settings:
+            raise ValueError(f"config: given together with {sorted(settings)[0]}= (pass one)")
+        cfg = self.config = config if config is not None else EngineConfig(**settings)
+        model = cfg.for_model(model)
         self.model, self.params, self.tokenizer = model, params, tokenizer
-        self.max_slots, self.max_len, self.max_queue = max_slots, max_len, max_queue
-        self.limits = admission.EngineLimits(max_len, max_slots, model.config.max_len,
-                                             max_num_beams, max_n)
-        self.eos_token_ids = admission.ending_tokens(model, tokenizer, eos_token_ids)
+        self.max_slots, self.max_len, self.max_queue = cfg.max_slots, cfg.max_len, cfg.max_queue
+        self.limits = admission.EngineLimits(cfg.max_len, cfg.max_slots, model.config.max_len,
+                                             cfg.max_num_beams, cfg.max_n)
+        self.eos_token_ids = engine_config.ending_tokens(model, tokenizer, cfg.eos_token_ids)
         self.logprobs_k = min(MAX_LOGPROBS, model.config.vocab_size)  # the step's top-k
         spec = None if speculative is None else SpeculativeConfig.parse(speculative, model,
-                                                                         max_len)
-        if spec is not None and spec.draft is not None and (row_tile is not None
-                                                             or batch_invariant is False):
-            spec = dataclasses.replace(spec, draft=admission.row_tiled(spec.draft, row_tile,
-                                                                       batch_invariant))
+                                                                         cfg.max_len)
+        if spec is not None and spec.draft is not None and (cfg.row_tile is not None
+                                                             or cfg.batch_invariant is False):
+            spec = dataclasses.replace(spec, draft=engine_config.row_tiled(
+                spec.draft, cfg.row_tile, cfg.batch_invariant))
         self._research = research.configure(model, processors=processors)
-        admission.check_options(spec, self._research, mesh, step_hook)
-        budget = constraints.CompileBudget(seconds=max_constraint_compile_s,
-                                           max_states=max_constraint_states)
+        engine_config.check_options(spec, self._research, mesh, step_hook)
+        budget = constraints.CompileBudget(seconds=cfg.max_constraint_compile_s,
+                                           max_states=cfg.max_constraint_states)
         self._admission = admission.Admission(
-            model, tokenizer, self.limits, budget, self.eos_token_ids, trace=trace,
-            stream={"max_buffered": max_buffered, "backpressure": backpressure},
+            model, tokenizer, self.limits, budget, self.eos_token_ids, trace=cfg.trace,
+            stream={"max_buffered": cfg.max_buffered, "backpressure": cfg.backpressure},
             speculative=spec)
-        self.kv = admission.KVLayout.check(max_slots, max_len, kv_pages, page_size,
-                                           prefill_chunk, prefix_cache)
+        self.kv = cfg.kv
         # every device call is a step op, published to step_hook first (serving/distributed.py)
-        ctx = step_ops.Context(model, params, max_slots, max_len, self.eos_token_ids, mesh,
-                               replicate_outputs=step_hook is not None, tokenizer=tokenizer,
-                               spec=spec, research=self._research, pages=self.kv.pages,
-                               page_size=page_size)
+        ctx = runner.Context(model, params, cfg.max_slots, cfg.max_len, self.eos_token_ids, mesh,
+                             replicate_outputs=step_hook is not None, tokenizer=tokenizer,
+                             spec=spec, research=self._research, pages=self.kv.pages,
+                             page_size=self.kv.page_size)
         self._scheduler, self._core = EngineCore.build(
-            ctx, self.kv, max_queue, self.limits, lambda: self.model_snapshot,
+            ctx, self.kv, cfg.max_queue, self.limits, lambda: self.model_snapshot,
             logprobs_k=self.logprobs_k, step_hook=step_hook,
-            decode_steps=admission.decode_steps(decode_steps, spec, self._research),
+            decode_steps=engine_config.decode_steps(cfg.decode_steps, spec, self._research),
             stateful_processors=any(p.stateful for p in processors or ()))
         self._records = records.Records(
-            model, params, tokenizer, model_source=model_source, max_slots=max_slots,
-            max_len=max_len, params_hash=params_hash, kv=self.kv,
+            model, params, tokenizer, model_source=cfg.model_source, max_slots=cfg.max_slots,
+            max_len=cfg.max_len, params_hash=cfg.params_hash, kv=self.kv,
             processor_order=None if self._research is None else self._research.processor_order)
         self._spec, self.step_hook = spec, step_hook
 
@@ -203,12 +205,9 @@ class LLM:
 
     def warmup(self, max_prompt_len: int = 64) -> int:
         """Compile every shape the engine can meet for prompts up to `max_prompt_len`
-        (`step_ops.warmup_shapes`). Returns the compilations. With a step hook, call it
+        (`runner.warmup_shapes`). Returns the compilations. With a step hook, call it
         before the first request (the op must not interleave with the engine thread's)."""
-        op = step_ops.warmup(max_prompt_len, self.logprobs_k, self.kv.chunk)
-        if self.step_hook is not None:
-            self.step_hook.publish(op)
-        return step_ops.apply(self._core.ctx, None, op)[1]
+        return self._core.runner.warmup(max_prompt_len, self.logprobs_k, self.kv.chunk)
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the engine thread, waiting up to `timeout` seconds for it (a step that is running,

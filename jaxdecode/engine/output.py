@@ -88,8 +88,8 @@ class OutputProcessor:
         paused by its user or left its slot meanwhile waits for its step."""
         result = self.backend.fetch(first.out, first.top_k)  # one transfer
         for i, r in enumerate(first.owners):
-            if (r.lifecycle.is_terminal or r.slot is None or r.user_paused
-                    or r.ahead is not None or int(result.counts[i]) != 1):
+            if (r.lifecycle.is_terminal or self.scheduler.placements.slot_of(r) is None
+                    or r.user_paused or r.ahead is not None or int(result.counts[i]) != 1):
                 continue
             with self.isolated(r):
                 if r.lifecycle.observe_cancel():
@@ -125,10 +125,11 @@ class OutputProcessor:
         was sent is skipped (the duplicate guard), a cancelled one ends here and its in-flight
         result is discarded (contract L4)."""
         for r in step.owners:
-            if r is not None:
-                r.in_flight -= 1
+            placed = self.scheduler.placements.get(r)
+            if placed is not None:
+                placed.in_flight -= 1
         for slot, r in enumerate(step.owners):
-            if r is None or r.lifecycle.is_terminal or r.slot != slot:
+            if r is None or r.lifecycle.is_terminal or self.scheduler.placements.slot_of(r) != slot:
                 continue
             if r.lifecycle.observe_cancel():
                 self.end_cancelled(r)
@@ -189,7 +190,7 @@ class OutputProcessor:
         for r in requests:
             if r is None or r.lifecycle.is_terminal:
                 continue
-            if r.user_paused and r.in_flight == 0:
+            if r.user_paused and self.scheduler.placements.in_flight(r) == 0:
                 r.settled.set()
             with self.isolated(r):
                 if r.lifecycle.observe_cancel():
@@ -234,7 +235,7 @@ class OutputProcessor:
 
     def release(self, r: Request) -> None:
         """Free its slot once (R1) and wake whoever waits for it."""
-        if r.slot is not None:
+        if self.scheduler.placements.slot_of(r) is not None:
             r.lifecycle.release_once("slot", lambda: self.scheduler.free(r))
         r.finished.set()
         self.scheduler.wake()

@@ -62,7 +62,7 @@ class Records:
                  params_hash: Optional[str] = None, kv: Optional[Any] = None):
         self.model, self.params, self.tokenizer = model, params, tokenizer
         self.model_source, self.max_slots, self.max_len = model_source, max_slots, max_len
-        self.kv = kv  # admission.KVLayout: pages, page size, prefill chunk, prefix cache
+        self.kv = kv  # config.KVLayout: pages, page size, prefill chunk, prefix cache
         self.processor_order = processor_order
         self._hashes: dict = {} if params_hash is None else {"params": params_hash}
 
@@ -102,13 +102,14 @@ class Records:
             processors=self.processor_order)
 
 
-def row_arrays(state: Any, r: Request, grammar_offset: int = 0) -> dict:
+def row_arrays(state: Any, r: Request, placed: Any, grammar_offset: int = 0) -> dict:
     """Request r's slice of the engine's StepState (host arrays, module docstring; its K/V
-    gathered from its pages, [layers, kv_heads, length, head_dim] as ever);
-    `grammar_offset`: where its constraint starts in the live table set."""
-    slot, pool = r.slot, state.cache
+    gathered from its pages, [layers, kv_heads, length, head_dim] as ever); `placed`: its
+    scheduler `Placement`; `grammar_offset`: where its constraint starts in the live table
+    set."""
+    slot, pool = placed.slot, state.cache
     length = int(pool.lengths[slot])
-    pages = np.asarray(r.pages[:-(-length // pool.page_size)], np.int32)
+    pages = np.asarray(placed.pages[:-(-length // pool.page_size)], np.int32)
     row = lambda x: np.asarray(x[slot])  # noqa: E731
     kv = lambda x: np.asarray(x[:, :, pages]).reshape(  # noqa: E731 (its pages, in order)
         x.shape[:2] + (-1, x.shape[-1]))[:, :, :length].swapaxes(0, 1)
@@ -162,7 +163,7 @@ def save_request(core: Any, handle: Any, path: str, params_hash: str, timeout: f
     row on the engine thread and write it with its host counters. ValueError when it ended
     before the pause took effect (its steps in flight finished it)."""
     r = handle._request
-    if handle.done or r.slot is None:
+    if handle.done or core.scheduler.placements.slot_of(r) is None:
         raise ValueError("request: only a running request (in a slot) can be saved")
     handle.pause()
     deadline = time.monotonic() + timeout
@@ -171,8 +172,10 @@ def save_request(core: Any, handle: Any, path: str, params_hash: str, timeout: f
             raise ValueError("request: it ended before it could be paused (nothing saved)")
         if time.monotonic() > deadline:
             raise TimeoutError("request: a step of it is still in flight")
+    runner = core.runner
     arrays = core.on_thread(lambda: row_arrays(
-        core.state, r, 0 if r.grammar is None else core.bundle.offsets[r.grammar.key]))
+        runner.state, r, core.scheduler.placements[r],
+        0 if r.grammar is None else runner.bundle.offsets[r.grammar.key]))
     return str(save(path, arrays, request_meta(r, params_hash)))
 
 

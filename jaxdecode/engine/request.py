@@ -2,9 +2,10 @@
 (`RequestHandle`).
 
 `Request` is what the engine layers share -- the settings the device runs, the host text
-pipeline, the lifecycle and its stream, the counters of contract §9, where it sits (slot, steps in
-flight). Only the engine thread changes it, except the two flags a user may set from any thread
-(cancel, through the lifecycle; pause). `RequestHandle` is what `LLM.submit` returns: events,
+pipeline, the lifecycle and its stream, the counters of contract §9. Where it sits (slot, pages,
+prefill progress, steps in flight) is the scheduler's `Placement`, not a field here. Only the
+engine thread changes it, except the two flags a user may set from any thread (cancel, through
+the lifecycle; pause). `RequestHandle` is what `LLM.submit` returns: events,
 trace, result, cancel / pause / resume, and read-only properties (text, usage, token offsets)
 that serving and notebooks use instead of the internals.
 """
@@ -52,10 +53,7 @@ class Request:
         self.logprobs: Optional[list[TokenLogprob]] = [] if sampling.logprobs else None
         self.reported = 0            # logprobs already sent in a delta
         self.selected = self.processed = 0
-        self.dispatched = 0          # steps dispatched while in a slot (may lead `selected`)
-        self.in_flight = 0           # dispatched calls of this row not yet processed
-        self.ahead: Optional[int] = None  # first token streamed before its step (core.py)
-        self.slot: Optional[int] = None
+        self.ahead: Optional[int] = None  # first token streamed before its step (output.py)
         self.faults = 0              # failed engine steps it was running in (core recovery)
         self.error_message = ""
         self.user_paused = False     # pause(): the row skips steps, its state unchanged (B1)
@@ -63,15 +61,8 @@ class Request:
         self.speculative: Optional[dict] = None  # acceptance counters (speculative backend)
         self.beam_row: list = [self]  # requests sharing one beam-search row (beam_lane)
         self.score: Optional[float] = None       # a beam's score (beam_lane)
-        # KV pages (scheduler.py, pages.py): the physical page of each logical page, their
-        # prefix-cache keys, prompt tokens mapped from the cache, input tokens prefilled so far
-        self.pages: list[int] = []
-        self.page_keys: list[bytes] = []
-        self.cached_tokens = 0
-        self.prefilled = 0
-        self.is_prefilling = False
+        self.cached_tokens = 0       # prompt tokens mapped from the prefix cache (§9)
         self.share_with: Optional["Request"] = None  # sample 0 of its prompt (n > 1)
-        self.sharers: Optional[list] = None          # the samples sharing its prompt pages
         self.settled = threading.Event()         # paused with no step in flight
         self.finished = threading.Event()        # ended and released
 

@@ -1,9 +1,13 @@
-"""The scheduler: what runs next (no jax). It owns the admission queue, the slot table and the
-KV page pool (pages.py), and turns them into decisions -- which queued requests enter which
-free slots with which pages, which prompt chunks to prefill this iteration, which rows are
-released or paused, and the next step as a `StepPlan` (live rows, attention bucket, top-k of
-logprobs). The engine thread (core.py) carries the decisions out through the backend and the
-output processor; user threads only enqueue and wake it.
+"""The scheduler: what runs next (no jax). It owns the admission queue, the slot table, the KV
+page pool (pages.py) and one `Placement` per admitted request (placement.py: its slot, pages,
+prefill progress, steps in flight; nothing of it lives on the `Request`), and turns them into one
+decision per engine iteration, `schedule() -> Iteration`: the beam requests taken out of the
+queue, which queued requests entered which free slots with which pages, the prompt chunks to
+prefill (batched by program shape), and the decode step as a `StepPlan` (release / pause
+flags, live rows, attention bucket, top-k of logprobs, decode steps, compacted rows). The
+engine core (core.py) lowers the `Iteration` to step ops (lowering.py), runs them (runner.py)
+and feeds the outputs to the output processor, which frees what ended (`free`); user threads
+only enqueue and wake it.
 
 Admission: in queue order, a request enters when a slot is free and its pages fit -- the pages
 of its prompt and of `max_tokens` outputs (reserved up front, so a running request never waits
@@ -40,9 +44,10 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from jaxdecode.engine.pages import NULL_PAGE, PagePool, page_keys
+from jaxdecode.engine.pages import PagePool
+from jaxdecode.engine.placement import Placement, Placements
 from jaxdecode.engine.request import Request
-from jaxdecode.shapes import MIN_BUCKET, chunk_length, chunk_plan, kv_bucket, row_buckets
+from jaxdecode.shapes import MIN_BUCKET, chunk_plan, kv_bucket, row_buckets
 
 
 def compact_counts(min_rows: int, max_slots: int) -> list[int]:
@@ -84,7 +89,8 @@ class StepPlan:
 @dataclasses.dataclass
 class Chunk:
     """One prefill chunk of a request: positions [start, start + length) run at length T with
-    attention bucket kv_len; `final`: the prompt's last chunk (its rows start decoding)."""
+    attention bucket kv_len; `final`: the prompt's last chunk, after which `started` (the
+    request and the samples sharing its pages, in row order) decode."""
 
     request: Request
     start: int
@@ -92,6 +98,20 @@ class Chunk:
     length: int
     kv_len: int
     final: bool
+    started: tuple = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Iteration:
+    """What one engine iteration runs (`Scheduler.schedule`), in order: the beam lane's
+    requests; the requests placed into slots now (`placed`: (request, slot), a restored one
+    written back, the others prefilled chunk by chunk); the prefill chunk batches, one device
+    call each; the decode step (`plan`: flags first, then a step when rows are live)."""
+
+    beams: list
+    placed: list
+    chunks: list
+    plan: StepPlan
 
 
 class Scheduler:
@@ -104,11 +124,8 @@ class Scheduler:
                  min_rows: int = 2):
         self.max_slots, self.max_len, self.max_queue = max_slots, max_len, max_queue
         self.pool, self.prefill_chunk = pool, prefill_chunk
-        self.extra_positions = extra_positions  # speculative rounds write k + 1 ahead
-        # a speculative round writes the prompt's last token itself (it is pending): its
-        # prefill stops one short, so no cached page ever holds a position a round rewrites
-        self.prefill_last = prefill_last
-        self.namespace = namespace               # the model snapshot (prefix cache keys)
+        self.placements = Placements(pool, max_len, prefill_chunk, extra_positions,
+                                     prefill_last, namespace)
         self.min_rows = min_rows                 # the fewest rows a step runs (no batch of 1)
         self.cond = threading.Condition()
         self.queue: collections.deque[Request] = collections.deque()
@@ -117,14 +134,6 @@ class Scheduler:
         self.release = np.zeros(max_slots, bool)
         self.paused = np.zeros(max_slots, bool)
         self.closed = False
-
-    @property
-    def page_size(self) -> int:
-        return self.pool.page_size
-
-    @property
-    def pages_per_row(self) -> int:
-        return -(-self.max_len // self.page_size)
 
     # -- the queue (any thread) ---------------------------------------------------------------
 
@@ -175,67 +184,6 @@ class Scheduler:
     def idle(self) -> bool:
         return not any(self.slots) and not self.queue
 
-    # -- pages ----------------------------------------------------------------------------------
-
-    def reserved_pages(self, r: Request) -> int:
-        """Pages a request holds: its inputs and max_tokens outputs (module docstring)."""
-        positions = len(r.prompt_ids) + r.device_sampling.max_tokens + self.extra_positions
-        return -(-min(positions, self.max_len) // self.page_size)
-
-    def prefill_inputs(self, r: Request) -> list[int]:
-        """The tokens r's prefill writes: its prompt and the tokens it already selected (a
-        request rebuilt after a failed step), but the last one for a speculative engine."""
-        inputs = r.prompt_ids + r.token_ids
-        return inputs if self.prefill_last else inputs[:-1]
-
-    def _shared_pages(self, r: Request) -> int:
-        """Full prefilled pages a sample shares with the first sample of its prompt."""
-        return len(self.prefill_inputs(r)) // self.page_size
-
-    def _cached(self, r: Request) -> list[int]:
-        """The pages of the longest cached prefix of r's inputs that ends on a chunk boundary
-        before its last chunk (that one must run: it gives the logits)."""
-        inputs = self.prefill_inputs(r)
-        per_chunk = self.prefill_chunk // self.page_size
-        r.page_keys = page_keys(inputs, self.page_size, self.prefill_chunk,
-                                chunk_length(len(inputs), self.prefill_chunk), self.namespace())
-        usable = max(0, len(inputs) - 1) // self.prefill_chunk * per_chunk
-        hits = self.pool.lookup(r.page_keys, usable)
-        return hits[:len(hits) // per_chunk * per_chunk]
-
-    def take_pages(self, group: list) -> bool:
-        """Pages for a request and the samples sharing its prompt, or False (nothing taken)."""
-        lead = group[0]
-        hits = [] if lead.restored is not None else self._cached(lead)
-        shared = self._shared_pages(lead)
-        need = self.reserved_pages(lead) - len(hits) + sum(
-            self.reserved_pages(r) - shared for r in group[1:])
-        if need > self.pool.available() - sum(1 for p in hits if self.pool.refs[p] == 0):
-            return False
-        self.pool.retain(hits)
-        lead.pages = hits + self.pool.allocate(self.reserved_pages(lead) - len(hits))
-        lead.cached_tokens = lead.prefilled = len(hits) * self.page_size
-        self.pool.queries += len(lead.prompt_ids)
-        self.pool.hits += min(lead.cached_tokens, len(lead.prompt_ids))
-        for r in group[1:]:
-            self.pool.retain(lead.pages[:shared])
-            r.pages = lead.pages[:shared] + self.pool.allocate(self.reserved_pages(r) - shared)
-            r.cached_tokens = 0
-        lead.sharers = group[1:]
-        return True
-
-    def table(self, r: Request) -> np.ndarray:
-        """int32[pages_per_row]: r's pages, then the null page."""
-        out = np.full((self.pages_per_row,), NULL_PAGE, np.int32)
-        out[:len(r.pages)] = r.pages
-        return out
-
-    def register(self, chunk: Chunk) -> None:
-        """After a chunk ran: cache its full pages (prefix cache)."""
-        r = chunk.request
-        first, end = chunk.start // self.page_size, (chunk.start + chunk.length) // self.page_size
-        self.pool.register(r.pages[first:end], r.page_keys[first:end])
-
     # -- decisions (the engine thread) --------------------------------------------------------
 
     def queued(self) -> list:
@@ -257,6 +205,25 @@ class Scheduler:
                 self.cond.notify_all()
             return beams
 
+    def schedule(self, kv_needed: Callable[[Request, Placement, int], int], logprobs_k: int,
+                 decode_steps: int = 1, compact: bool = False) -> Iteration:
+        """This iteration (module docstring): ended queued requests forgotten, the beam
+        requests taken, queued requests placed (`admissions`: a restored one counts its
+        tokens as dispatched and decodes now, the others prefill), this iteration's chunks
+        (`chunks`) and the decode step (`plan`, which counts the rows whose last chunk runs
+        now as live)."""
+        self.drop_ended()
+        beams = self.take_beams()
+        placed = self.admissions()
+        for r, slot in placed:
+            if r.restored is not None:
+                self.place(r, slot, r.selected, prefilling=False)
+            else:  # a request requeued by core recovery goes on after its tokens
+                self.place(r, slot, len(r.token_ids), prefilling=True)
+        batches = self.chunks()
+        return Iteration(beams, placed, batches,
+                         self.plan(kv_needed, logprobs_k, decode_steps, compact))
+
     def admissions(self) -> list[tuple[Request, int]]:
         """Queued requests for the free slots whose pages fit, in queue order (module
         docstring), with the samples of one prompt that come right after it: (request, slot)
@@ -269,7 +236,7 @@ class Scheduler:
                 while (len(group) < min(len(self.queue), len(free) - len(placed))
                        and self.queue[len(group)].share_with is group[0]):
                     group.append(self.queue[len(group)])
-                if not self.take_pages(group):
+                if not self.placements.take(group):
                     break
                 for r in group:
                     self.queue.popleft()
@@ -281,10 +248,10 @@ class Scheduler:
         """`r` now owns `slot`, `dispatched` steps counted (its tokens so far); a request whose
         prompt chunks are pending is not live until its last chunk ran."""
         self.release[slot] = False
-        r.slot, r.dispatched, r.in_flight = slot, dispatched, 0
+        p = self.placements[r]
+        p.slot, p.dispatched, p.in_flight, p.prefilling = slot, dispatched, 0, prefilling
         self.slots[slot] = r
-        r.is_prefilling = prefilling
-        if prefilling and r.sharers is not None:
+        if prefilling and p.sharers is not None:
             self.prefilling.append(r)
 
     def chunks(self) -> list[list[Chunk]]:
@@ -292,21 +259,28 @@ class Scheduler:
         chunk), one chunk per request, the oldest admitted request first; batched by program
         shape (T, attention bucket), each batch one device call (so the chunks of one iteration
         never depend on each other), the shortest chunks first (their prompts' first tokens
-        stream as soon as their own call ends: core.py)."""
+        stream as soon as their own call ends: core.py). After a prompt's last chunk its
+        request and the samples sharing its pages decode (`Chunk.started`): from this
+        iteration's step on, since its chunk runs before."""
         out, budget = [], self.prefill_chunk
         for r in list(self.prefilling):
-            inputs = len(self.prefill_inputs(r))
-            start, t, length, kv = (chunk_plan(inputs, r.prefilled, self.prefill_chunk,
+            p = self.placements[r]
+            inputs = len(self.placements.prefill_inputs(r))
+            start, t, length, kv = (chunk_plan(inputs, p.prefilled, self.prefill_chunk,
                                                self.max_len)
                                     or [(0, MIN_BUCKET, 0, kv_bucket(MIN_BUCKET, self.max_len))]
                                     )[0]  # (nothing to write: a chunk for the logits)
             if out and t > budget:
                 break
-            out.append(Chunk(r, start, t, length, kv, start + length == inputs))
+            final = start + length == inputs
+            started = tuple([r] + (p.sharers or [])) if final else ()
+            out.append(Chunk(r, start, t, length, kv, final, started))
             budget -= t
-            r.prefilled = start + length
-            if r.prefilled == inputs:
+            p.prefilled = start + length
+            if final:
                 self.prefilling.remove(r)
+                for x in started:
+                    self.placements[x].prefilling = False
         batches: dict = {}
         for c in out:
             batches.setdefault((c.t, c.kv_len), []).append(c)
@@ -317,34 +291,32 @@ class Scheduler:
         step). A request that ends while it prefills for samples sharing its pages sends them
         back to the head of the queue (they prefill on their own); a sample that ends leaves
         its prompt's group."""
-        slot = r.slot
-        if slot is not None and self.slots[slot] is r:
-            self.slots[slot] = None
-            self.release[slot] = True
+        p = self.placements.release(r)
+        if p is None:
+            return
+        if p.slot is not None and self.slots[p.slot] is r:
+            self.slots[p.slot] = None
+            self.release[p.slot] = True
         if r in self.prefilling:
             self.prefilling.remove(r)
-        self.pool.release(r.pages)
-        r.pages = []
-        lead = r.share_with
+        lead = self.placements.get(r.share_with)
         if lead is not None and lead.sharers and r in lead.sharers:
             lead.sharers.remove(r)
-        if r.is_prefilling and r.sharers:
-            for x in r.sharers:
-                self.slots[x.slot] = None
-                self.pool.release(x.pages)
-                x.slot, x.pages, x.is_prefilling, x.share_with = None, [], False, None
-            self.requeue_front(r.sharers)
-            r.sharers = []
+        if p.prefilling and p.sharers:
+            for x in p.sharers:
+                self.slots[self.placements.release(x).slot] = None
+                x.share_with = None  # it prefills on its own
+            self.requeue_front(p.sharers)
 
     def reset(self) -> None:
         """Forget every slot assignment and page (the device state was dropped)."""
         self.slots = [None] * self.max_slots
         self.prefilling = []
+        self.placements.reset()
         self.release[:] = False
         self.paused[:] = False
-        self.pool.reset()
 
-    def plan(self, kv_needed: Callable[[Request, int], int], logprobs_k: int,
+    def plan(self, kv_needed: Callable[[Request, Placement, int], int], logprobs_k: int,
              decode_steps: int = 1, compact: bool = False) -> StepPlan:
         """The next step over the slots: rows paused by their user or by back-pressure skip it
         (their state untouched, contract B1); pause changes are recorded in the trace. It runs
@@ -362,22 +334,23 @@ class Scheduler:
         self.release[:] = False
         self.paused = paused
         live = [r for r, p in zip(owners, paused)
-                if r is not None and not p and not r.is_prefilling]
+                if r is not None and not p and not self.placements[r].prefilling]
         steps = decode_steps if decode_steps > 1 and self._steady(live, decode_steps) else 1
         kv_len, top_k = self.step_shape(live, kv_needed, logprobs_k, steps)
         return StepPlan(owners=[r if r in live else None for r in owners], live=live,
                         flags=flags, kv_len=kv_len, top_k=top_k, steps=steps,
-                        rows=self.compact_rows(live) if compact else None)
+                        rows=self.compact_rows([self.placements[r].slot for r in live])
+                        if compact else None)
 
     def compact_rows(self, live: list) -> Optional[np.ndarray]:
-        """The slots a step runs when that is fewer than all (module docstring): the live
-        ones and enough others, which select nothing, for the least of `compact_counts` that
+        """The slots a step runs when that is fewer than all (module docstring): the `live`
+        slots and enough others, which select nothing, for the least of `compact_counts` that
         holds them; None when none does."""
         count = next((n for n in compact_counts(self.min_rows, self.max_slots)
                       if n >= len(live)), None)
         if count is None:
             return None
-        mine = {r.slot for r in live}
+        mine = set(live)
         others = [s for s in range(self.max_slots) if s not in mine][:count - len(mine)]
         return np.array(sorted(mine.union(others)), np.int32)
 
@@ -387,13 +360,13 @@ class Scheduler:
         with self.cond:
             if self.queue or self.prefilling:
                 return False
-        return all(r.dispatched > 0 and r.lifecycle.stream.unsent + 2 * steps
+        return all(self.placements[r].dispatched > 0 and r.lifecycle.stream.unsent + 2 * steps
                    <= r.lifecycle.stream.max_buffered for r in live)
 
-    def step_shape(self, live: list, kv_needed: Callable[[Request, int], int],
+    def step_shape(self, live: list, kv_needed: Callable[[Request, Placement, int], int],
                    logprobs_k: int, steps: int = 1) -> tuple[int, int]:
         """The attention bucket covering every live row over `steps` steps and the top-k of
         logprobs (0 unless one of them asked)."""
-        longest = max((kv_needed(r, steps) for r in live), default=1)
+        longest = max((kv_needed(r, self.placements[r], steps) for r in live), default=1)
         top_k = logprobs_k if any(r.logprobs is not None for r in live) else 0
         return kv_bucket(longest, self.max_len), top_k

@@ -1,5 +1,5 @@
 """`jaxdecode bench`: the flags and the command that runs the sections and prints / writes the
-report; `bench --serve` is the HTTP load test of `serving.loadtest`."""
+report; `bench --serve` is the HTTP load test of `jaxdecode.cli.bench.loadtest`."""
 
 from __future__ import annotations
 
@@ -60,8 +60,15 @@ def bench_arguments(b) -> None:
                    help="every section (HF side by side, time to first token, host cost, "
                         "engine): report.json, report.md and PNG plots in DIR")
     b.add_argument("--quick", action="store_true", help="a smoke run in well under 2 minutes")
+    b.add_argument("--device-check", action="store_true",
+                   help="instead: the accelerator check (decode at batch 1/16/64 with and without "
+                        "batch invariance beside HF, the Pallas kernels against the XLA path, "
+                        "X1 at logit level, the load test), each section in a process of its "
+                        "own under a time budget; report.md/report.json and the environment in "
+                        "--out DIR (docs/performance.md \"The device check\")")
+    b.add_argument("--out", metavar="DIR", help="the device check's directory")
     b.add_argument("--serve", action="store_true",
-                   help="instead: the HTTP load test (serving/loadtest.py) -- streaming requests "
+                   help="instead: the HTTP load test (cli/bench/loadtest/) -- streaming requests "
                         "against `jaxdecode serve` (started with --warmup for the longest "
                         "prompt and every --server-arg) or any OpenAI-compatible --url, at "
                         "several concurrency levels, with the metrics of `vllm bench serve`")
@@ -70,29 +77,44 @@ def bench_arguments(b) -> None:
 
 
 def _add_loadtest_arguments(p) -> None:
-    # serving.loadtest imports only the standard library at module level
-    from serving.loadtest import add_arguments
+    # the load test imports only the standard library at module level
+    from jaxdecode.cli.bench.loadtest import add_arguments
 
     add_arguments(p)
 
 
 def check_bench_mode(args) -> None:
-    """`bench` and `bench --serve` take different flags: one of the other mode's is an error
-    naming it, never silently ignored."""
+    """`bench`, `bench --serve` and `bench --device-check` take different flags: one of another
+    mode's is an error naming it, never silently ignored."""
     probe = argparse.ArgumentParser(add_help=False)
     _add_loadtest_arguments(probe)
     load_flags = set(vars(probe.parse_args([])))
     bench = argparse.ArgumentParser(add_help=False)
     bench_arguments(bench)
     defaults = vars(bench.parse_args([]))
-    bench_flags = set(defaults) - load_flags - {"model", "json", "serve"}
-    bad = sorted(n for n in (bench_flags if args.serve else load_flags)
-                 if getattr(args, n) != defaults[n])
+    if args.device_check or args.out:
+        if not (args.device_check and args.out):
+            raise SystemExit("--device-check and --out DIR go together")
+        allowed, why = {"device_check", "out", "quick"}, "not used by --device-check"
+    elif args.serve:
+        allowed, why = load_flags | {"model", "json", "serve"}, ("not used by the HTTP load "
+                                                                 "test (bench --serve)")
+    else:
+        allowed, why = set(defaults) - load_flags, "load-test flags; add --serve"
+    bad = sorted(n for n in defaults if n not in allowed and getattr(args, n) != defaults[n])
     if bad:
-        flag_of = {a.dest: a.option_strings[0] for a in (*probe._actions, *bench._actions)}
-        flags = ", ".join(flag_of[n] for n in bad)
-        raise SystemExit(f"{flags}: not used by the HTTP load test (bench --serve)" if args.serve
-                         else f"{flags}: load-test flags; add --serve")
+        flag_of = {a.dest: a.option_strings[0] for a in bench._actions}
+        raise SystemExit(f"{', '.join(flag_of[n] for n in bad)}: {why}")
+
+
+def _device_check(args) -> int:
+    """`--device-check --out DIR [--quick]` (flags checked by `check_bench_mode`)."""
+    from jaxdecode.cli.bench import devicecheck
+
+    report = devicecheck.run(args.out, args.quick)
+    print(devicecheck.format_report(report))
+    print(f"wrote {os.path.join(args.out, 'report.md')}")
+    return 0 if all(s["status"] == "ok" for s in report["sections"].values()) else 1
 
 
 def _settle(args) -> None:
@@ -126,7 +148,7 @@ def _decode_sections(args, cfg: BenchConfig) -> tuple[dict, list]:
     """Throughput (HF side by side), time to first token, beam search on the bench model."""
     import tempfile
 
-    from jaxdecode.engine.admission import row_tiled
+    from jaxdecode.engine.config import row_tiled
 
     progress = lambda row: print(json.dumps(row), file=sys.stderr)  # noqa: E731
     with tempfile.TemporaryDirectory() as workdir:
@@ -176,7 +198,7 @@ def _host_sections(args, cfg: BenchConfig, report: dict, text: list) -> None:
     """Host pipeline cost per token; the engine with streaming against the raw loop."""
     import sysconfig
 
-    from jaxdecode.engine.admission import row_tiled
+    from jaxdecode.engine.config import row_tiled
 
     model, params, tokenizer, spec = host_model(args.model)
     model = row_tiled(model, args.row_tile, args.batch_invariant)
@@ -213,8 +235,10 @@ def _host_sections(args, cfg: BenchConfig, report: dict, text: list) -> None:
 
 def cmd_bench(args) -> int:
     check_bench_mode(args)
+    if args.device_check:
+        return _device_check(args)
     if args.serve:
-        from serving import loadtest
+        from jaxdecode.cli.bench import loadtest
 
         return loadtest.main(args)
     from jaxdecode.device.decode import compilation_count

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from serving.loading import load_model
 
-# Named random-weight configurations for `bench --model CONFIG` (HF LlamaConfig keywords).
+# Named random-weight configurations for `bench --model CONFIG`: HF config keywords (of
+# LlamaConfig, or of the `model_type` given).
 BENCH_CONFIGS = {
     # The reference configuration of issue #2: Llama-like, ~29M parameters, fp32.
     "llama-512": dict(vocab_size=8192, hidden_size=512, intermediate_size=1376,
@@ -15,22 +16,55 @@ BENCH_CONFIGS = {
     "llama-1b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
                      num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4,
                      max_position_embeddings=2048, rms_norm_eps=1e-5),
+    # Gemma-2-shaped at llama-512's size: alternating sliding (512) and global layers, both
+    # soft-caps, GeGLU, pre/post norms, tied embeddings -- its decode cost beside llama-512's.
+    "gemma-512": dict(model_type="gemma2", vocab_size=8192, hidden_size=512,
+                      intermediate_size=1376, num_hidden_layers=8, num_attention_heads=8,
+                      num_key_value_heads=8, head_dim=64, max_position_embeddings=4096,
+                      rms_norm_eps=1e-6, sliding_window=512, query_pre_attn_scalar=64,
+                      attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
     "llama-tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128,
                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                        max_position_embeddings=256, rms_norm_eps=1e-5),
 }
 
 
-def llama_config(name: str):
+def named_model(name: str, **replace):
+    """The jaxdecode model of a named configuration (config fields overridden by `replace`)."""
+    import dataclasses
+
     import models
 
     c = BENCH_CONFIGS[name]
-    return models.LlamaConfig(
+    common = dict(
         vocab_size=c["vocab_size"], num_layers=c["num_hidden_layers"],
         num_heads=c["num_attention_heads"], num_kv_heads=c["num_key_value_heads"],
-        head_dim=c["hidden_size"] // c["num_attention_heads"],
+        head_dim=c.get("head_dim", c["hidden_size"] // c["num_attention_heads"]),
         max_len=c["max_position_embeddings"], hidden_size=c["hidden_size"],
         intermediate_size=c["intermediate_size"], rms_norm_eps=c["rms_norm_eps"])
+    if c.get("model_type") == "gemma2":
+        n = c["num_hidden_layers"]
+        config = models.GemmaConfig(
+            **common, sliding_window=c["sliding_window"],
+            layer_types=tuple("sliding_attention" if i % 2 == 0 else "full_attention"
+                              for i in range(n)),
+            query_pre_attn_scalar=c["query_pre_attn_scalar"],
+            attn_logit_softcapping=c["attn_logit_softcapping"],
+            final_logit_softcapping=c["final_logit_softcapping"])
+        return models.Gemma(dataclasses.replace(config, **replace))
+    return models.Llama(dataclasses.replace(models.LlamaConfig(**common), **replace))
+
+
+def _hf_model(name: str):
+    """HF PyTorch model of a named configuration (random weights, seeded by the caller)."""
+    import transformers
+
+    c = dict(BENCH_CONFIGS[name])
+    model_type = c.pop("model_type", None)
+    if model_type is None:
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**c))
+    return transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.for_model(model_type, **c), attn_implementation="eager")
 
 
 def bench_model(spec: str, compare_hf: bool, workdir: str):
@@ -42,15 +76,14 @@ def bench_model(spec: str, compare_hf: bool, workdir: str):
         if not compare_hf:
             import jax
 
-            model = models.Llama(llama_config(spec))
+            model = named_model(spec)
             dtype = jax.numpy.bfloat16 if bf16 else jax.numpy.float32
             return model, model.init_params(jax.random.key(0), dtype=dtype), None
         import torch
-        import transformers
 
         torch.manual_seed(0)
         with torch.device(hf_device()):  # initialised where it runs: 1B weights init fast there
-            hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**BENCH_CONFIGS[spec]))
+            hf = _hf_model(spec)
         hf = hf.to(torch.bfloat16 if bf16 else torch.float32).eval()
         hf.save_pretrained(workdir, safe_serialization=True)
         model, params, _ = models.load(workdir)
@@ -91,7 +124,6 @@ def host_model(spec: str):
     """(model, params, tokenizer, label) for the host-side sections, which need a real
     tokenizer: the checkpoint's, else the demo model's; a named config is rebuilt with the demo
     tokenizer's vocabulary (same shapes otherwise)."""
-    import dataclasses
     import os
 
     label = spec if os.path.isdir(spec) else "demo"
@@ -99,11 +131,8 @@ def host_model(spec: str):
     if spec in BENCH_CONFIGS:
         import jax
 
-        import models
-
-        model = models.Llama(dataclasses.replace(
-            llama_config(spec), vocab_size=model.config.vocab_size,
-            eos_token_ids=model.config.eos_token_ids))
+        model = named_model(spec, vocab_size=model.config.vocab_size,
+                            eos_token_ids=model.config.eos_token_ids)
         params = model.init_params(jax.random.key(0))
         label = f"{spec}, vocab {model.config.vocab_size}"
     return model, params, tokenizer, label

@@ -3,7 +3,7 @@ out=/work/p21/cmp2; cd /work/main
 lscpu > $out/lscpu.txt
 export JAX_COMPILATION_CACHE_DIR=/work/p21/jaxcache
 bench() {  # name port
-  JAX_PLATFORMS=cpu .venv/bin/python -m serving.loadtest --url http://127.0.0.1:$2 --served-model-name ckpt512 --requests 64 --concurrency 16 --max-tokens 64 --json $out/loadtest-$1.json > $out/loadtest-$1.log 2>&1
+  JAX_PLATFORMS=cpu .venv/bin/python -m jaxdecode.cli.bench.loadtest --url http://127.0.0.1:$2 --served-model-name ckpt512 --requests 64 --concurrency 16 --max-tokens 64 --json $out/loadtest-$1.json > $out/loadtest-$1.log 2>&1
   if [ -n "$VB" ]; then VLLM_TARGET_DEVICE=cpu timeout 900 /work/vllm-venv/bin/vllm bench serve --backend openai --base-url http://127.0.0.1:$2 --model /work/ckpt512 --served-model-name ckpt512 --dataset-name random --random-input-len 128 --random-output-len 64 --num-prompts 64 --max-concurrency 16 --ignore-eos > $out/vllm-bench-$1.log 2>&1; fi
 }
 vllm_run() {
