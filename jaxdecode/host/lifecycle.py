@@ -134,6 +134,19 @@ class Trace:
         return iter(list(self._events))
 
 
+def _terminal_payload(to: RequestState, finish_reason: Any, error: Any, message: str,
+                      usage: Optional[Usage]) -> dict:
+    """The data of the terminal event that ends in state `to` (contract §9)."""
+    if to is S.FINISHED:
+        return {"finish_reason": finish_reason, "usage": usage}
+    if to is S.CANCELLED:
+        payload = {"finish_reason": FinishReason.CANCELLED, "usage": usage}
+        if error is not None:
+            payload.update(error=error, message=message)
+        return payload
+    return {"error": error, "message": message, "usage": usage}
+
+
 class Lifecycle:
     """One request's state, terminal event and trace (contract §1, §8, R1)."""
 
@@ -248,16 +261,7 @@ class Lifecycle:
             if to is S.FAILED and error is None:
                 raise ValueError("FAILED needs an error code")
             kind = TERMINAL_EVENT_KIND[to]
-            if to is S.FINISHED:
-                payload = {"finish_reason": finish_reason, "usage": usage}
-            elif to is S.CANCELLED:
-                payload = {"finish_reason": FinishReason.CANCELLED, "usage": usage}
-                if error is not None:
-                    payload["error"] = error
-                    payload["message"] = message
-            else:
-                payload = {"error": error, "message": message, "usage": usage}
-            payload.update(data)
+            payload = {**_terminal_payload(to, finish_reason, error, message, usage), **data}
             self._set_locked(to)
             if stream is not None:
                 ev = stream.terminate(kind, **payload)
@@ -266,9 +270,7 @@ class Lifecycle:
             else:
                 if not self._started:
                     self._emit_start_locked(None, {})
-                ev = Event(kind, self.request_id, self._seq, payload, self.clock())
-                self._seq += 1
-                self.trace.append(ev)
+                ev = self._local_event_locked(kind, payload)
             self._terminal_event = ev
             return ev
 
@@ -351,7 +353,11 @@ class Lifecycle:
         self._started = True
         if self.stream is not None:
             return self.stream.start(model_snapshot, **data)
-        ev = Event("start", self.request_id, self._seq, {"model_snapshot": model_snapshot, **data}, self.clock())
+        return self._local_event_locked("start", {"model_snapshot": model_snapshot, **data})
+
+    def _local_event_locked(self, kind: str, data: dict) -> Event:
+        """A stream-less request's event: numbered here, kept in the trace."""
+        ev = Event(kind, self.request_id, self._seq, data, self.clock())
         self._seq += 1
         self.trace.append(ev)
         return ev
@@ -359,9 +365,8 @@ class Lifecycle:
     def emit_delta(self, text: str, logprobs: Optional[Sequence[Any]] = None,
                    offsets: Sequence[int] = ()) -> Optional[Event]:
         """Append a text delta (with its tokens' `logprobs` and text `offsets`, see
-        `OrderedStream.emit`) unless
-        the request is terminal (L3) or its cancel was observed (L4: the result of a step still
-        in flight is discarded). None when nothing was sent."""
+        `OrderedStream.emit`) unless the request is terminal (L3) or its cancel was observed
+        (L4: the result of a step still in flight is discarded). None when nothing was sent."""
         if not text and not logprobs:
             return None
         with self._lock:
@@ -374,10 +379,7 @@ class Lifecycle:
                 return self.stream.emit(text, logprobs, offsets)
             data = {"text": text} if logprobs is None else {
                 "text": text, "logprobs": tuple(logprobs), "offsets": tuple(offsets)}
-            ev = Event("delta", self.request_id, self._seq, data, self.clock())
-            self._seq += 1
-            self.trace.append(ev)
-            return ev
+            return self._local_event_locked("delta", data)
 
     # ---- trace ----------------------------------------------------------------------------------
     def record(self, kind: str, **data: Any) -> None:

@@ -99,6 +99,53 @@ class Timings:
         return dataclasses.asdict(self)
 
 
+def _member(kind: type, value: Any, field: str):
+    try:
+        return kind(value)
+    except ValueError:
+        raise ValueError(
+            f"{field} must be one of {[k.value for k in kind]}, got {value!r}") from None
+
+
+class _Output:
+    """The text and logprobs a stream has accepted, shaped per output kind (T6): a delta's data,
+    or -- final_only -- everything kept for the one delta before the terminal event."""
+
+    def __init__(self, kind: OutputKind):
+        self.kind = kind
+        self.length = 0  # characters accepted
+        self._parts: List[str] = []  # text so far (cumulative / final_only)
+        self._logprobs: Optional[list] = None  # final_only: kept for the end
+        self._offsets: list = []
+
+    def accept(self, text: str, logprobs: Optional[Sequence[Any]],
+               offsets: Sequence[int]) -> Optional[dict]:
+        """The delta's data, or None where final_only keeps it for the end."""
+        self.length += len(text)
+        if self.kind is OutputKind.FINAL_ONLY:
+            self._parts.append(text)
+            if logprobs is not None:
+                self._logprobs = (self._logprobs or []) + list(logprobs)
+                self._offsets += list(offsets)
+            return None
+        extra = {} if logprobs is None else {"logprobs": tuple(logprobs),
+                                             "offsets": tuple(offsets)}
+        if self.kind is OutputKind.CUMULATIVE:
+            self._parts = ["".join(self._parts) + text]
+            return {"text": self._parts[0], "delta": text, **extra}
+        return {"text": text, **extra}
+
+    def final_delta(self) -> Optional[dict]:
+        """final_only: the one delta of everything kept (None when nothing was)."""
+        if self.kind is not OutputKind.FINAL_ONLY or not (self._parts or self._logprobs):
+            return None
+        extra = ({} if self._logprobs is None
+                 else {"logprobs": tuple(self._logprobs), "offsets": tuple(self._offsets)})
+        data = {"text": "".join(self._parts), **extra}
+        self._parts, self._logprobs, self._offsets = [], None, []
+        return data
+
+
 class OrderedStream:
     """Sequence numbers, output kinds, bounded buffer, back-pressure and resume for one request."""
 
@@ -114,22 +161,11 @@ class OrderedStream:
         clock: Callable[[], float] = time.monotonic,
     ):
         self.request_id = str(request_id)
-        try:
-            self.output_kind = OutputKind(output_kind)
-        except ValueError:
-            raise ValueError(
-                f"output_kind must be one of {[k.value for k in OutputKind]}, got {output_kind!r}"
-            ) from None
-        try:
-            self.policy = BackpressurePolicy(policy)
-        except ValueError:
-            raise ValueError(
-                f"policy must be one of {[p.value for p in BackpressurePolicy]}, got {policy!r}"
-            ) from None
-        if max_buffered < 2:
-            raise ValueError("max_buffered must be at least 2")
-        if keep < 0:
-            raise ValueError("keep must be >= 0")
+        self.output_kind = _member(OutputKind, output_kind, "output_kind")
+        self.policy = _member(BackpressurePolicy, policy, "policy")
+        if max_buffered < 2 or keep < 0:
+            raise ValueError("max_buffered must be at least 2" if max_buffered < 2
+                             else "keep must be >= 0")
         self.max_buffered = int(max_buffered)
         self.keep = int(keep)
         self.trace = trace  # anything with .append(event) (a lifecycle Trace), or None
@@ -145,10 +181,7 @@ class OrderedStream:
         self._overflowed = False
         self._lost = 0
         self._dropped_after_terminal = 0
-        self._parts: List[str] = []  # text so far (cumulative / final_only)
-        self._final_logprobs: Optional[list] = None  # logprobs kept for the end (final_only)
-        self._final_offsets: list = []
-        self._text_len = 0
+        self._output = _Output(self.output_kind)
         self._listeners: List[Callable[[], None]] = []
         self._reader_closed = False
 
@@ -190,32 +223,15 @@ class OrderedStream:
                 return None
             if not self._started:
                 self._append_locked("start", {"model_snapshot": None})
-            kind = self.output_kind
-            extra = ({} if logprobs is None
-                     else {"logprobs": tuple(logprobs), "offsets": tuple(offsets)})
-            if kind is OutputKind.FINAL_ONLY:
-                self._parts.append(text)
-                self._text_len += len(text)
-                if logprobs is not None:
-                    self._final_logprobs = (self._final_logprobs or []) + list(logprobs)
-                    self._final_offsets += list(offsets)
-                return None
-            unsent = self._next_seq - 1 - self._cursor
-            cap = self.max_buffered
-            if self.policy is BackpressurePolicy.PAUSE:
-                cap = 2 * self.max_buffered
-            if unsent >= cap:
+            cap = self.max_buffered * (2 if self.policy is BackpressurePolicy.PAUSE else 1)
+            if (self.output_kind is not OutputKind.FINAL_ONLY
+                    and self._next_seq - 1 - self._cursor >= cap):
                 self._overflowed = True
                 self._lost += 1
                 return None
-            self._text_len += len(text)
-            if kind is OutputKind.CUMULATIVE:
-                self._parts.append(text)
-                full = "".join(self._parts)
-                self._parts = [full]
-                data = {"text": full, "delta": text, **extra}
-            else:
-                data = {"text": text, **extra}
+            data = self._output.accept(text, logprobs, offsets)
+            if data is None:
+                return None
             ev = self._append_locked("delta", data)
         self._notify()
         return ev
@@ -248,13 +264,9 @@ class OrderedStream:
                 }
             if kind == "cancelled":
                 data.setdefault("finish_reason", FinishReason.CANCELLED)
-            if self.output_kind is OutputKind.FINAL_ONLY and (self._parts
-                                                              or self._final_logprobs):
-                extra = ({} if self._final_logprobs is None
-                         else {"logprobs": tuple(self._final_logprobs),
-                               "offsets": tuple(self._final_offsets)})
-                self._append_locked("delta", {"text": "".join(self._parts), **extra})
-                self._parts, self._final_logprobs, self._final_offsets = [], None, []
+            final = self._output.final_delta()
+            if final is not None:
+                self._append_locked("delta", final)
             ev = self._append_locked(kind, data)
             self._terminal = ev
         self._notify()
@@ -306,7 +318,7 @@ class OrderedStream:
     @property
     def text_length(self) -> int:
         """Characters of output text accepted so far."""
-        return self._text_len
+        return self._output.length
 
     @property
     def reader_closed(self) -> bool:
@@ -341,13 +353,8 @@ class OrderedStream:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while True:
-                nxt = self._cursor + 1
-                if nxt < self._next_seq:
-                    ev = self._history[nxt - self._first_seq]
-                    self._cursor = nxt
-                    self.timings.send_s += max(0.0, self.clock() - ev.time)
-                    self._trim_locked()
-                    self._cond.notify_all()
+                ev = self._take_locked()
+                if ev is not None:
                     return ev
                 if self._terminal is not None:
                     return None
@@ -362,15 +369,7 @@ class OrderedStream:
     def get_nowait(self) -> Optional[Event]:
         """The next event if one is ready, else None (also None at the end)."""
         with self._cond:
-            nxt = self._cursor + 1
-            if nxt < self._next_seq:
-                ev = self._history[nxt - self._first_seq]
-                self._cursor = nxt
-                self.timings.send_s += max(0.0, self.clock() - ev.time)
-                self._trim_locked()
-                self._cond.notify_all()
-                return ev
-            return None
+            return self._take_locked()
 
     def iter(self, timeout: Optional[float] = None) -> Iterator[Event]:
         """Events until (and including) the terminal one; `timeout` applies to each wait."""
@@ -398,6 +397,18 @@ class OrderedStream:
             self._cond.notify_all()
 
     # ---- internals ---------------------------------------------------------------------------
+    def _take_locked(self) -> Optional[Event]:
+        """Hand the event after the cursor to the reader (None when it is not there yet)."""
+        nxt = self._cursor + 1
+        if nxt >= self._next_seq:
+            return None
+        ev = self._history[nxt - self._first_seq]
+        self._cursor = nxt
+        self.timings.send_s += max(0.0, self.clock() - ev.time)
+        self._trim_locked()
+        self._cond.notify_all()
+        return ev
+
     def _after_locked(self, seq: int) -> List[Event]:
         seq = max(-1, int(seq))
         if seq >= self._next_seq:
@@ -436,7 +447,5 @@ class OrderedStream:
                 pass
 
     def __repr__(self) -> str:
-        return (
-            f"OrderedStream({self.request_id!r}, kind={self.output_kind.value}, "
-            f"policy={self.policy.value}, next_seq={self._next_seq}, finished={self.finished})"
-        )
+        return (f"OrderedStream({self.request_id!r}, kind={self.output_kind.value}, policy="
+                f"{self.policy.value}, next_seq={self._next_seq}, finished={self.finished})")

@@ -34,6 +34,48 @@ CONSTRAINT_SCHEMAS = {
 }
 
 
+def _compile_times(tokenizer, cfg) -> dict:
+    """Per schema: a cold outlines-core compile (private cache) -> states, edges, seconds, and
+    the device table build."""
+    from jaxdecode.device import constraints
+
+    vocab = constraints.vocab_for(tokenizer, cfg.vocab_size,
+                                  exclude_ids=tuple(cfg.eos_token_ids))
+    cache = constraints.IndexCache()
+    out = {}
+    for name, rf in CONSTRAINT_SCHEMAS.items():
+        t0 = time.perf_counter()
+        regex = constraints.regex_for(constraints.validate_response_format(rf))
+        t1 = time.perf_counter()
+        compiled = constraints.compile_regex(regex, vocab, cache)
+        t2 = time.perf_counter()
+        bundle = constraints.tables._build([compiled], cfg.vocab_size,
+                                           constraints.tables.DENSE_MAX_ENTRIES)
+        jax.block_until_ready(bundle.tables)
+        t3 = time.perf_counter()
+        out[name] = {
+            "schema_to_regex_ms": (t1 - t0) * 1e3, "index_compile_s": compiled.compile_seconds,
+            "compile_total_s": t2 - t1, "table_build_ms": (t3 - t2) * 1e3,
+            "states": compiled.num_states, "edges": compiled.num_edges,
+            "table_states": int(bundle.tables.num_states),
+            "lookup": "dense" if bundle.tables.dense else "csr",
+            "device_bytes": int(sum(x.nbytes for x in jax.tree.leaves(bundle.tables)))}
+    return out
+
+
+def _grammar_ops_ms(st, batch: int, vocab_size: int) -> float:
+    """The grammar work alone (mask + next state), jitted, on one batch's tables and states."""
+    from jaxdecode.device import constraints
+
+    logits = jax.random.normal(jax.random.key(0), (batch, vocab_size), jnp.float32)
+    tok = jnp.zeros((batch,), jnp.int32)
+    ops = jax.jit(lambda x, g, s, e, t: (constraints.mask_logits(x, g, s, e),
+                                         constraints.next_state(g, s, t)))
+    args = (logits, st.grammar, st.grammar_state, st.rows.eos_mask, tok)
+    jax.block_until_ready(ops(*args))
+    return median_time(lambda: jax.block_until_ready(ops(*args)), 50) * 1e3
+
+
 def time_constraints(model, params, tokenizer, batches: Sequence[int] = (1, 16), steps: int = 32,
                      repeats: int = 5, prompt: str = "config = ",
                      step_modes: Sequence[str] = ("flat", "json_object")) -> dict:
@@ -46,34 +88,12 @@ def time_constraints(model, params, tokenizer, batches: Sequence[int] = (1, 16),
     same process so that machine load hits every mode alike. Rows that end early keep paying
     the full step (the step is computed for every row), so the figures compare like with like.
     """
-    from jaxdecode.device import constraints
     from jaxdecode.device.decode import StepConfig, decode_step_jit, prepare
     from jaxdecode.tokenization import encode
 
     cfg = model.config
-    eos = tuple(cfg.eos_token_ids)
-    vocab = constraints.vocab_for(tokenizer, cfg.vocab_size, exclude_ids=eos)
-    cache = constraints.IndexCache()
-    report: dict = {"machine": machine(), "steps": steps, "repeats": repeats, "compile": {},
-                    "rows": []}
-    for name, rf in CONSTRAINT_SCHEMAS.items():
-        t0 = time.perf_counter()
-        regex = constraints.regex_for(constraints.validate_response_format(rf))
-        t1 = time.perf_counter()
-        compiled = constraints.compile_regex(regex, vocab, cache)
-        t2 = time.perf_counter()
-        bundle = constraints.tables._build([compiled], cfg.vocab_size,
-                                           constraints.tables.DENSE_MAX_ENTRIES)
-        jax.block_until_ready(bundle.tables)
-        t3 = time.perf_counter()
-        report["compile"][name] = {
-            "schema_to_regex_ms": (t1 - t0) * 1e3, "index_compile_s": compiled.compile_seconds,
-            "compile_total_s": t2 - t1, "table_build_ms": (t3 - t2) * 1e3,
-            "states": compiled.num_states, "edges": compiled.num_edges,
-            "table_states": int(bundle.tables.num_states),
-            "lookup": "dense" if bundle.tables.dense else "csr",
-            "device_bytes": int(sum(x.nbytes for x in jax.tree.leaves(bundle.tables)))}
-
+    report: dict = {"machine": machine(), "steps": steps, "repeats": repeats,
+                    "compile": _compile_times(tokenizer, cfg), "rows": []}
     ids = encode(tokenizer, prompt)
     modes = ("none",) + tuple(step_modes) + ("idle",)
     for batch in batches:
@@ -94,15 +114,6 @@ def time_constraints(model, params, tokenizer, batches: Sequence[int] = (1, 16),
         row = {"batch": batch, **step_times({m: (step, states[m]) for m in modes}, steps,
                                             repeats)}
         for mode in modes[1:]:
-            # the grammar work alone (mask + next state), jitted, on this batch's tables/states
-            st = states[mode]
-            logits = jax.random.normal(jax.random.key(0), (batch, cfg.vocab_size), jnp.float32)
-            tok = jnp.zeros((batch,), jnp.int32)
-            ops = jax.jit(lambda x, g, s, e, t: (constraints.mask_logits(x, g, s, e),
-                                                 constraints.next_state(g, s, t)))
-            args = (logits, st.grammar, st.grammar_state, st.rows.eos_mask, tok)
-            jax.block_until_ready(ops(*args))
-            row[f"{mode}_grammar_ops_ms"] = median_time(
-                lambda: jax.block_until_ready(ops(*args)), 50) * 1e3
+            row[f"{mode}_grammar_ops_ms"] = _grammar_ops_ms(states[mode], batch, cfg.vocab_size)
         report["rows"].append(row)
     return report
