@@ -120,12 +120,55 @@ class ServerThread:
         self.stop()
 
 
+def engine_config(args: Any, model: Any, params: Any, speculative: Optional[dict],
+                  params_hash: Optional[str] = None) -> Any:
+    """The `jd.EngineConfig` that serve's flags say (ValueError naming the field)."""
+    from jaxdecode.engine import EngineConfig
+
+    names = [flag[2:].replace("-", "_") for flag, _, _ in LIMIT_FLAGS]
+    limits = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
+    return EngineConfig(max_slots=args.max_slots,
+                        max_len=args.max_len or min(model.config.max_len, 4096),
+                        max_queue=args.max_queue, model_source=args.model,
+                        params_hash=params_hash, decode_steps=args.decode_steps,
+                        row_tile=args.row_tile, batch_invariant=args.batch_invariant,
+                        **limits, **kv_options(args, model, params, speculative))
+
+
+def _placement(args: Any, params: Any, distributed: bool) -> tuple:
+    """(mesh, params, params_hash): the params sharded over --mesh (one mesh over every host's
+    devices with --distributed, hashed on process 0 while whole); (None, params, None) else."""
+    if not (getattr(args, "mesh", None) or distributed):
+        return None, params, None
+    import jax
+
+    from jaxdecode.replay import params_hash as hash_params
+    from models.sharding import make_mesh, parse_mesh, shard_params
+    try:
+        mesh = parse_mesh(args.mesh) if args.mesh else make_mesh(data=1)
+    except ValueError as e:
+        raise SystemExit(f"--mesh: {e}")
+    params_hash = hash_params(params) if distributed and jax.process_index() == 0 else None
+    return mesh, shard_params(params, mesh), params_hash
+
+
+def _app(args: Any, llm: Any, spec_setting: Any) -> Any:
+    from serving.app import create_app
+
+    name = args.model_name or (args.model if args.model == "demo"
+                               else os.path.basename(os.path.normpath(args.model)))
+    api_key: Optional[str] = args.api_key or os.environ.get("JAXDECODE_API_KEY") or None
+    return create_app(llm, model_name=name, api_key=api_key, on_disconnect=args.on_disconnect,
+                      max_body_bytes=args.max_body_bytes, log_prompts=args.log_prompts,
+                      record_dir=args.record_dir, close_llm_on_shutdown=True,
+                      speculative=spec_setting), name, api_key
+
+
 def main(args: Any) -> int:
     """`jaxdecode serve`: load the model, build the engine and the app, serve until Ctrl-C."""
     from serving.loading import flag_error, load_model, speculative_from_args
     from jaxdecode.engine import LLM
     from jaxdecode.invariance import mode_of as invariance_mode
-    from serving.app import create_app
     from serving.logs import configure_logging, log_event
 
     configure_logging(args.log_level)
@@ -138,33 +181,16 @@ def main(args: Any) -> int:
     model, params, tokenizer = load_model(args.model)
     if tokenizer is None:
         raise SystemExit(f"--model: {args.model!r} has no tokenizer files; the server needs one")
-    max_len = args.max_len or min(model.config.max_len, 4096)
     speculative, spec_setting = speculative_from_args(args, model, tokenizer)
     if speculative and args.record_dir:
         raise SystemExit("--record-dir: not with --speculative (a record does not pin the "
                          "speculative setting, so replay would run a plain engine)")
-    mesh, params_hash = None, None
-    if getattr(args, "mesh", None) or distributed:
-        from jaxdecode.replay import params_hash as hash_params
-        from models.sharding import make_mesh, parse_mesh, shard_params
-        try:  # distributed: one mesh over every host's devices
-            mesh = parse_mesh(args.mesh) if args.mesh else make_mesh(data=1)
-        except ValueError as e:
-            raise SystemExit(f"--mesh: {e}")
-        if distributed and jax.process_index() == 0:  # hashed while whole: sharded leaves
-            params_hash = hash_params(params)             # may live on other hosts
-        params = shard_params(params, mesh)
+    mesh, params, params_hash = _placement(args, params, distributed)
     hook = dist.CollectiveBroadcaster() if distributed else None
-    api_key: Optional[str] = args.api_key or os.environ.get("JAXDECODE_API_KEY") or None
-    names = [flag[2:].replace("-", "_") for flag, _, _ in LIMIT_FLAGS]
-    limits = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
     try:
-        kv = kv_options(args, model, params, speculative)
-        llm = LLM(model, params, tokenizer, max_slots=args.max_slots, max_len=max_len,
-                  max_queue=args.max_queue, model_source=args.model, mesh=mesh,
-                  speculative=speculative, step_hook=hook, params_hash=params_hash,
-                  decode_steps=args.decode_steps, row_tile=args.row_tile,
-                  batch_invariant=args.batch_invariant, **limits, **kv)
+        config = engine_config(args, model, params, speculative, params_hash)
+        llm = LLM(model, params, tokenizer, config=config, mesh=mesh, speculative=speculative,
+                  step_hook=hook)
     except ValueError as e:  # on every process: a follower never waits for a failed leader
         raise flag_error(e)
     if distributed and jax.process_index() != 0:  # built only to check the flags
@@ -174,19 +200,14 @@ def main(args: Any) -> int:
                                     mesh=mesh, pages=llm.kv.pages, page_size=llm.kv.page_size)
         log_event("follower.stop", process=jax.process_index(), ops=applied)
         return 0
-    name = args.model_name or (args.model if args.model == "demo"
-                               else os.path.basename(os.path.normpath(args.model)))
     if args.warmup is not None:
         t0 = time.perf_counter()
         compiled = llm.warmup(args.warmup)
         log_event("engine.warmup", compilations=compiled,
                   seconds=round(time.perf_counter() - t0, 3))
-    app = create_app(llm, model_name=name, api_key=api_key, on_disconnect=args.on_disconnect,
-                     max_body_bytes=args.max_body_bytes, log_prompts=args.log_prompts,
-                     record_dir=args.record_dir, close_llm_on_shutdown=True,
-                     speculative=spec_setting)
+    app, name, api_key = _app(args, llm, spec_setting)
     log_event("server.start", model=name, host=args.host, port=args.port,
-              max_slots=args.max_slots, max_len=max_len, max_queue=args.max_queue,
+              max_slots=config.max_slots, max_len=config.max_len, max_queue=config.max_queue,
               auth=api_key is not None, on_disconnect=args.on_disconnect,
               speculative=spec_setting, row_tile=getattr(llm.model, "row_tile", None),
               batch_invariance=invariance_mode(llm.model))
@@ -214,8 +235,17 @@ def add_arguments(p: Any) -> None:
     from serving.loading import add_batch_invariance_argument, add_speculative_arguments
 
     p.add_argument("--model", default="demo", help="a local HF checkpoint directory, or 'demo'")
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
-    p.add_argument("--port", type=int, default=8000)
+    _add_http_arguments(p)
+    _add_engine_arguments(p)
+    _add_placement_arguments(p)
+    p.add_argument("--log-level", default="info",
+                   choices=("debug", "info", "warning", "error"))
+    add_speculative_arguments(p)
+    add_batch_invariance_argument(p)
+
+
+def _add_engine_arguments(p: Any) -> None:
+    """The flags `engine_config` turns into a `jd.EngineConfig`."""
     p.add_argument("--max-slots", type=int, default=8, help="concurrent sequences in the batch")
     p.add_argument("--max-len", type=int, default=None,
                    help="tokens per sequence, prompt + output (default: the model's, <= 4096)")
@@ -241,6 +271,11 @@ def add_arguments(p: Any) -> None:
                         "model's, 4). Wider tiles speed up full batches and slow a lone "
                         "stream: --row-tile 16 with --max-slots 16 on a busy server "
                         "(docs/batch_invariance.md \"Row tiles as a setting\")")
+
+
+def _add_http_arguments(p: Any) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' (also $JAXDECODE_API_KEY); "
                         "/health stays open")
@@ -259,6 +294,9 @@ def add_arguments(p: Any) -> None:
                    help="compile every engine shape for prompts up to MAX_PROMPT_TOKENS "
                         "(default 64) before accepting requests; a longer prompt compiles "
                         "its prefill programs when it first arrives")
+
+
+def _add_placement_arguments(p: Any) -> None:
     p.add_argument("--mesh", default=None, metavar="data=N,model=M",
                    help="shard over a device mesh (docs/sharding.md); default: one device")
     p.add_argument("--distributed", action="store_true",
@@ -270,7 +308,3 @@ def add_arguments(p: Any) -> None:
                    help="with --distributed: how many processes (default: auto-detected)")
     p.add_argument("--process-id", type=int, default=None,
                    help="with --distributed: this process's index (default: auto-detected)")
-    p.add_argument("--log-level", default="info",
-                   choices=("debug", "info", "warning", "error"))
-    add_speculative_arguments(p)
-    add_batch_invariance_argument(p)

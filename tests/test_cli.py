@@ -115,3 +115,26 @@ def test_python_m_serving_takes_the_flags_of_jaxdecode_serve():
     flags = ["--model", "x", "--max-slots", "3", "--speculative", "prompt_lookup",
              "--no-prefix-cache"]
     assert vars(parse_args(flags)) == serve(flags)
+
+
+def test_serve_flags_build_one_engine_config():
+    """`serve` builds its engine from one `jd.EngineConfig` (issue #39): each flag lands in
+    its field, and a bad value is the config's ValueError naming the field."""
+    from types import SimpleNamespace
+
+    import jaxdecode as jd
+    from serving.__main__ import parse_args
+    from serving.server import engine_config
+
+    model = SimpleNamespace(config=SimpleNamespace(max_len=8192))
+    args = parse_args(["--max-slots", "3", "--max-queue", "9", "--max-n", "7", "--page-size",
+                       "8", "--prefill-chunk", "0", "--no-prefix-cache", "--row-tile", "16",
+                       "--decode-steps", "2", "--no-batch-invariant"])
+    config = engine_config(args, model, None, None)
+    assert isinstance(config, jd.EngineConfig)
+    assert (config.max_slots, config.max_len, config.max_queue, config.max_n) == (3, 4096, 9, 7)
+    assert (config.page_size, config.prefill_chunk, config.prefix_cache) == (8, None, False)
+    assert (config.row_tile, config.decode_steps, config.batch_invariant) == (16, 2, False)
+    assert config.model_source == "demo"
+    with pytest.raises(ValueError, match="max_slots"):
+        engine_config(parse_args(["--max-slots", "0"]), model, None, None)
