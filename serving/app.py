@@ -7,8 +7,8 @@ This module holds the routes, the app assembly and `Server` (the app's state and
 `serving.responses` writes them (JSON, SSE) over the engine-to-loop listener bridge.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``
-(and ``/v1/models/{id}``), ``GET /v1/streams/{request_id}`` (resume, contract T4), ``GET /health``,
-``GET /metrics``. With `api_key` set, every route except ``/health`` needs
+(and ``/v1/models/{id}``), ``GET /v1/streams/{request_id}`` (resume, contract T4), ``POST /tokenize``
+and ``POST /detokenize`` (`serving.tokenize`), ``GET /health``, ``GET /metrics``. With `api_key` set, every route except ``/health`` needs
 ``Authorization: Bearer <key>`` (401 otherwise).
 
 Requests: see `serving.protocol` for the fields, defaults, the OpenAI error body and the finish
@@ -80,12 +80,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from serving.logs import log_event
 from serving.metrics import Metrics
 from serving.protocol import (ApiError, ChatCompletionRequest, CompletionRequest, bad_request,
-                              parse_request, top_logprobs_count)
+                              error_from_value_error, parse_request, top_logprobs_count)
 from serving.render import Renderer, failure, finish_label
 from serving.responses import (SSEResponse, error_response, last_event_id, pump, sse,
                                wait_terminal)
 from serving.streams import ResponseLog, StreamRegistry
 from serving.submission import Tracked, check_model, read_body, submit_watching
+from serving.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 
 ON_DISCONNECT = ("cancel", "continue")
 
@@ -281,6 +282,22 @@ class Server:
 
     # -- other routes -----------------------------------------------------------------------------
 
+    async def tokens(self, request: Request, endpoint: str) -> Response:
+        """/tokenize and /detokenize (`serving.tokenize`), validated like the completions."""
+        forward = endpoint == "/tokenize"
+        try:
+            body = await read_body(request, self.max_body_bytes)
+            req = parse_request(TokenizeRequest if forward else DetokenizeRequest, body)
+            check_model(req.model, self.model_name)
+            answer = await anyio.to_thread.run_sync(
+                lambda: tokenize(self.llm, req) if forward else detokenize(self.llm, req))
+        except ApiError as err:
+            return self.reject(err, None, endpoint)
+        except ValueError as exc:
+            return self.reject(error_from_value_error(exc, chat=req.messages is not None
+                                                      if forward else False), None, endpoint)
+        return JSONResponse(answer)
+
     def health(self) -> JSONResponse:
         llm = self.llm
         state = llm.health()
@@ -391,6 +408,14 @@ def _add_routes(app: FastAPI, server: Server) -> None:
     @app.get("/v1/streams/{request_id}")
     async def resume(request_id: str, request: Request):
         return await server.resume(request, request_id)
+
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request):
+        return await server.tokens(request, "/tokenize")
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request):
+        return await server.tokens(request, "/detokenize")
 
     @app.get("/health")
     async def health():
