@@ -17,7 +17,9 @@ engine requests (ids ``<id>-<i>``) by `LLM.submit_n`, as `LLM.generate` expands 
 the request alone, choice i >= 1 samples with ``fold_in(key(seed), i)`` and shares choice 0's
 prompt pages; with ``num_beams`` > 1 the n choices are the n best beams of one search.
 ``logprobs`` / ``top_logprobs`` are answered in OpenAI's formats (`serving.protocol`), also in
-every streaming chunk that carries tokens; ``echo``, ``best_of`` != n, ``suffix`` and ``tools``
+every streaming chunk that carries tokens; ``tools`` / ``tool_choice`` are tool calling
+(`serving.tools`: named and required calls generated under their schemas; `serving.tool_calls`:
+``message.tool_calls`` and the streamed pieces); ``echo``, ``best_of`` != n and ``suffix``
 get a 400 "not supported" instead of a silent no-op; ``response_format`` goes to the engine, which
 enforces it inside the decode step; a constraint it cannot compile -- or not within the
 engine's compile budget -- raises ValueError("response_format: ...") and becomes a 400 naming
@@ -87,6 +89,7 @@ from serving.responses import (SSEResponse, error_response, last_event_id, pump,
 from serving.streams import ResponseLog, StreamRegistry
 from serving.submission import Tracked, check_model, read_body, submit_watching
 from serving.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
+from serving.tools import plan_for
 
 ON_DISCONNECT = ("cancel", "continue")
 
@@ -210,9 +213,12 @@ class Server:
             req = parse_request(ChatCompletionRequest if chat else CompletionRequest, body)
             check_model(req.model, self.model_name)
             stream = bool(req.stream)
+            tools = (await anyio.to_thread.run_sync(
+                lambda: plan_for(req.tools, req.tool_choice, req.response_format))
+                if chat else None)
             handles, ids = await submit_watching(
                 request, self.llm, req, chat=chat, request_id=request_id, stream=stream,
-                max_n=self.max_n, retry_after_s=self.retry_after_s)
+                max_n=self.max_n, retry_after_s=self.retry_after_s, tools=tools)
         except ApiError as err:
             return self.reject(err, request_id, endpoint)
         except Exception:  # answered here: an exception past the route would drop the connection
@@ -225,7 +231,7 @@ class Server:
             fields["prompt"] = ([m.model_dump() for m in req.messages] if chat else req.prompt)
         log_event("request.received", **fields)
         tracked = Tracked(request_id, endpoint, handles, stream, t0,
-                          top_logprobs=top_logprobs_count(req, chat))
+                          top_logprobs=top_logprobs_count(req, chat), tools=tools)
         if stream:
             return self.stream(request, req, tracked, chat, len(ids))
         return await self.respond(request, tracked, chat, len(ids))

@@ -1,12 +1,12 @@
 """``POST /tokenize`` and ``POST /detokenize`` (vLLM's routes; contract §12 "Tokenize").
 
     POST /tokenize    {"model"?, "prompt": str}                 -> {"tokens", "count", "max_model_len"}
-                      {"model"?, "messages": [...]}
+                      {"model"?, "messages": [...], "tools"?: [...]}
     POST /detokenize  {"model"?, "tokens": [int, ...]}          -> {"prompt"}
 
 The prompt form tokenizes exactly as ``/v1/completions`` does (special tokens added as the
 tokenizer is configured), the messages form exactly as ``/v1/chat/completions`` renders its
-conversation (`serving.chat`), so ``count`` equals the ``usage.prompt_tokens``
+conversation (`serving.chat`, tools included), so ``count`` equals the ``usage.prompt_tokens``
 those routes report for the same input. Detokenize decodes with special tokens kept
 (``skip_special_tokens=False``), so tokenize -> detokenize returns the text the model sees.
 Bad input is a 400 naming the field (both or neither of ``prompt`` / ``messages``, an id
@@ -22,6 +22,7 @@ from pydantic import Field
 from jaxdecode.tokenization import encode
 from serving import chat as chat_mod
 from serving.protocol import MAX_MESSAGES, ChatMessage, _Model, bad_request
+from serving.tools import parse_tools
 
 MAX_DETOKENIZE_IDS = 1 << 20  # ids in one /detokenize request
 
@@ -30,6 +31,7 @@ class TokenizeRequest(_Model):
     model: Optional[str] = None
     prompt: Optional[str] = None
     messages: Optional[list[ChatMessage]] = Field(default=None, max_length=MAX_MESSAGES)
+    tools: Optional[list[Any]] = None
 
 
 class DetokenizeRequest(_Model):
@@ -49,9 +51,12 @@ def tokenize(llm: Any, req: TokenizeRequest) -> dict:
     if (req.prompt is None) == (req.messages is None):
         raise bad_request("prompt: send exactly one of 'prompt' and 'messages'", "prompt")
     if req.prompt is not None:
+        if req.tools is not None:
+            raise bad_request("tools: only the 'messages' form takes tools", "tools")
         ids = encode(llm.tokenizer, req.prompt)
     else:
-        ids, _ = chat_mod.chat_prompt_ids(llm.tokenizer, req.messages)
+        tools = [t.as_openai() for t in parse_tools(req.tools)] if req.tools is not None else None
+        ids, _ = chat_mod.chat_prompt_ids(llm.tokenizer, req.messages, tools)
     return {"tokens": ids, "count": len(ids), "max_model_len": llm.max_len}
 
 
