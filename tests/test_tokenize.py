@@ -18,6 +18,7 @@ CONVERSATION = [{"role": "system", "content": "Be brief."},
                 {"role": "user", "content": "Write a loop."},
                 {"role": "assistant", "content": "for i in range(3):"},
                 {"role": "user", "content": [{"type": "text", "text": "again"}]}]
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +59,11 @@ def test_tokenize_messages_counts_what_chat_counts(client):
     usage = _ok(client.post("/v1/chat/completions", json={"messages": CONVERSATION,
                                                           "max_tokens": 1}))["usage"]
     assert usage["prompt_tokens"] == tok["count"]
+    with_tools = _ok(client.post("/tokenize", json={"messages": CONVERSATION, "tools": [TOOL]}))
+    usage = _ok(client.post("/v1/chat/completions", json={
+        "messages": CONVERSATION, "tools": [TOOL], "tool_choice": "none",
+        "max_tokens": 1}))["usage"]
+    assert usage["prompt_tokens"] == with_tools["count"] > tok["count"]
     text = _ok(client.post("/detokenize", json={"tokens": tok["tokens"]}))["prompt"]
     assert "<|user|>\nWrite a loop.\n" in text and text.endswith("<|assistant|>\n")
 
@@ -69,6 +75,9 @@ def test_tokenize_messages_counts_what_chat_counts(client):
     ("/tokenize", {"messages": [{"role": "robot", "content": "x"}]}, "messages", 400),
     ("/tokenize", {"messages": []}, "messages", 400),
     ("/tokenize", {"model": "other", "prompt": "a"}, "model", 404),
+    ("/tokenize", {"prompt": "a", "tools": [TOOL]}, "tools", 400),
+    ("/tokenize", {"messages": [{"role": "user", "content": "b"}], "tools": [{"type": "x"}]},
+     "tools", 400),
     ("/detokenize", {"tokens": [1, 10 ** 9]}, "tokens", 400),
     ("/detokenize", {"tokens": [-1]}, "tokens", 400),
     ("/detokenize", {"tokens": ["a"]}, "tokens", 400),
