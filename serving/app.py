@@ -7,8 +7,9 @@ This module holds the routes, the app assembly and `Server` (the app's state and
 `serving.responses` writes them (JSON, SSE) over the engine-to-loop listener bridge.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``
-(and ``/v1/models/{id}``), ``GET /v1/streams/{request_id}`` (resume, contract T4), ``POST /tokenize``
-and ``POST /detokenize`` (`serving.tokenize`), ``GET /health``, ``GET /metrics``. With `api_key` set, every route except ``/health`` needs
+(and ``/v1/models/{id}``), ``GET /v1/streams/{request_id}`` (resume, contract T4),
+``POST /tokenize`` and ``POST /detokenize`` (`serving.tokenize`), ``GET /health``,
+``GET /metrics``. With `api_key` set, every route except ``/health`` needs
 ``Authorization: Bearer <key>`` (401 otherwise).
 
 Requests: see `serving.protocol` for the fields, defaults, the OpenAI error body and the finish
@@ -299,9 +300,8 @@ class Server:
                 lambda: tokenize(self.llm, req) if forward else detokenize(self.llm, req))
         except ApiError as err:
             return self.reject(err, None, endpoint)
-        except ValueError as exc:
-            return self.reject(error_from_value_error(exc, chat=req.messages is not None
-                                                      if forward else False), None, endpoint)
+        except ValueError as exc:  # the chat template's (`messages: ...`)
+            return self.reject(error_from_value_error(exc, chat=True), None, endpoint)
         return JSONResponse(answer)
 
     def health(self) -> JSONResponse:

@@ -274,3 +274,36 @@ def test_real_serve_named_and_required_calls_and_a_bad_tool(tmp_path):
                                                    "function": {"name": "nope"}})
         assert err.value.body["param"] == "tool_choice"
         _check_call(_create(c, "required", 8).choices[0].message.tool_calls[0])
+
+
+HERMES_TEMPLATE = (  # a Qwen-like template: tools in the system turn, calls as Hermes blocks
+    "{% if tools %}<|im_start|>system\n<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}"
+    "</tools><|im_end|>\n{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{% if m.content %}{{ m.content }}{% endif %}{% for c in m.tool_calls or [] %}<tool_call>"
+    "{\"name\": \"{{ c.function.name }}\", \"arguments\": {{ c.function.arguments | tojson }}}"
+    "</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_a_tokenizer_template_gets_the_tools_and_parsed_call_arguments(hf_tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    from serving.chat import chat_prompt_ids
+
+    hf = AutoTokenizer.from_pretrained(hf_tokenizer_dir)
+    hf.chat_template = HERMES_TEMPLATE
+    turn = ASK + [{"role": "assistant", "content": None, "tool_calls": [
+                      {"id": "call_1", "type": "function",
+                       "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}]},
+                  {"role": "tool", "tool_call_id": "call_1", "content": "3"}]
+    _, text = chat_prompt_ids(hf, turn, plan_for(TOOLS, "auto", None).templated())
+    assert text.startswith('<|im_start|>system\n<tools>{"type": "function", "function": '
+                           '{"name": "get_weather"')
+    assert ('<|im_start|>assistant\n<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}'
+            '</tool_call><|im_end|>\n<|im_start|>tool\n3<|im_end|>\n<|im_start|>assistant\n'
+            ) in text
+    # what such a model writes back, the auto parser reads
+    message, has_calls = final_message(PLAN, '<tool_call>{"name": "add", "arguments": '
+                                             '{"a": 1, "b": 2}}</tool_call>', complete=True)
+    assert has_calls and message["content"] is None
+    assert message["tool_calls"][0]["function"] == {"name": "add", "arguments": '{"a": 1, "b": 2}'}
