@@ -8,7 +8,11 @@
     auto      free text; each Hermes / Qwen block ``<tool_call>{"name": N, "arguments": A}
               </tool_call>`` naming one of the tools is a call (``"parameters"`` is taken for
               ``"arguments"``), the rest stays ``content``; a block that does not parse, or
-              names no tool, stays text. Auto calls are parsed, not constrained.
+              names no tool, stays text. Or Llama 3's JSON: the whole output, after an
+              optional ``<|python_tag|>``, is ``{"name": N, "parameters": A}`` naming a tool
+              (streaming holds an output that begins ``{`` or the tag until its end). Auto
+              calls are parsed, not constrained. Mistral's ``[TOOL_CALLS]`` is not parsed (a
+              special token in its tokenizers, which the detokenizer skips).
 
 A call is ``{"id": "call_...", "type": "function", "function": {"name", "arguments": <JSON
 string>}}``; ``content`` is null when the message is calls only (auto: or only whitespace).
@@ -29,6 +33,7 @@ from typing import Any, Optional
 from serving.tools import ToolPlan, call_id
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+PYTHON_TAG = "<|python_tag|>"
 _HERMES = re.compile(re.escape(HERMES_OPEN) + r"(.*?)" + re.escape(HERMES_CLOSE), re.DOTALL)
 _REQUIRED_PREFIX = '{"name":"'
 _REQUIRED_ARGS = '","arguments":'
@@ -57,6 +62,21 @@ def hermes_call(plan: ToolPlan, body: str) -> Optional[tuple[str, str]]:
         except ValueError:
             return None
     return obj["name"], json.dumps(args, ensure_ascii=False)
+
+
+def llama3_call(plan: ToolPlan, text: str) -> Optional[tuple[str, str]]:
+    """Llama 3's JSON format: the whole output, after an optional ``<|python_tag|>``, is one
+    ``{"name": N, "parameters": {...}}`` object naming one of the tools."""
+    body = text.strip().removeprefix(PYTHON_TAG).strip()
+    return hermes_call(plan, body) if body.startswith("{") else None
+
+
+def whole_output_format(head: str) -> Optional[bool]:
+    """Whether an auto output that begins with `head` (stripped) may be a Llama 3 call (held
+    until the end); None while `head` could still begin ``<|python_tag|>``."""
+    if head.startswith("{") or head.startswith(PYTHON_TAG):
+        return True
+    return None if PYTHON_TAG.startswith(head) else False
 
 
 def split_required(text: str) -> tuple[Optional[str], str]:
@@ -88,6 +108,8 @@ def final_message(plan: ToolPlan, text: str, complete: bool) -> tuple[dict, bool
         name, args = split_required(text)
         if name is not None:
             calls, content = [call(name, args[:-1] if complete else args)], None
+    elif plan.mode == "auto" and (parsed := llama3_call(plan, text)) is not None:
+        calls, content = [call(*parsed)], None
     elif plan.mode == "auto":
         pieces, last = [], 0
         for m in _HERMES.finditer(text):
@@ -116,6 +138,7 @@ class ToolStream:
         self.sent = 0          # required: argument characters sent
         self.calls = 0         # calls opened so far
         self.cid: Optional[str] = None
+        self.whole: Optional[bool] = None  # auto: held whole as a possible Llama 3 call
 
     def opening(self) -> dict:
         return {"role": "assistant", "content": None if self.plan.constrained else ""}
@@ -167,6 +190,16 @@ class ToolStream:
 
     def _auto(self, text: str, final: bool) -> dict:
         self.buffer += text
+        if self.whole is not False:  # the output's start decides: a Llama 3 call or text
+            head = self.buffer.strip()
+            self.whole = whole_output_format(head) if head else None
+            if not final and self.whole is not False:
+                return {}
+            parsed = llama3_call(self.plan, self.buffer) if final else None
+            if parsed is not None:
+                self.buffer = ""
+                return {"tool_calls": [self._piece(*parsed)]}
+            self.whole = False
         content, calls = [], []
         while True:
             start = self.buffer.find(HERMES_OPEN)

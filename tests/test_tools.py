@@ -140,10 +140,7 @@ def test_auto_reads_hermes_tool_call_blocks_streaming_and_not(client):
         finish = ch.finish_reason or finish
     assert content == "Sure. " and finish == "tool_calls" and len(pieces) == 1
     assert pieces[0].function.arguments == '{"city": "Oslo", "unit": "celsius", "days": 3}'
-    # free text without a block stays text; "none" never parses
-    free = _create(client, "auto", 2, max_tokens=8)
-    assert free.choices[0].message.tool_calls is None
-    assert free.choices[0].finish_reason in ("length", "stop")
+    # "none" never parses (free text without a block: the parser tests below)
     none = _create(client, "none", 1, extra_body={"response_format": rf})
     assert none.choices[0].message.content == HERMES and not none.choices[0].message.tool_calls
 
@@ -233,12 +230,20 @@ AUTO_TEXTS = [HERMES, "no call at all <tool_c", "<tool_call>not json</tool_call>
               HERMES + "\n" + HERMES.replace("Sure. ", "") + " done",
               '<tool_call>{"name": "unknown", "arguments": {}}</tool_call>',
               '<tool_call>{"name": "add", "parameters": {"a": 1, "b": 2}}</tool_call>',
-              "a < b <tool_call>{\"name\": \"add\", \"arguments\": {\"a\": 1}}"]
+              "a < b <tool_call>{\"name\": \"add\", \"arguments\": {\"a\": 1}}",
+              # Llama 3 JSON: the whole output is one call, after an optional <|python_tag|>
+              ' {"name": "add", "parameters": {"a": 1, "b": 2}}\n',
+              '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Rome"}}',
+              '{"name": "unknown", "parameters": {}}', '{"a": 1} and more', "<|pyth", "  ",
+              '<|python_tag|> not json', '{"name": "add", "arguments": {}} <tool_call>'
+              '{"name": "add", "arguments": {"a": 2}}</tool_call>']
 
 
 @settings(max_examples=60, deadline=None)
 @given(st.sampled_from(AUTO_TEXTS), st.lists(st.integers(0, 200), max_size=12))
 def test_auto_stream_under_any_chunking_equals_the_final_message(text, cuts):
+    """Hermes blocks and Llama 3 JSON outputs, cut anywhere: the streamed calls and text equal
+    the non-streamed message's."""
     cuts = sorted({c for c in cuts if 0 < c < len(text)})
     content, calls = _replay(PLAN, text, cuts)
     message, _ = final_message(PLAN, text, complete=True)
@@ -305,5 +310,8 @@ def test_a_tokenizer_template_gets_the_tools_and_parsed_call_arguments(hf_tokeni
     # what such a model writes back, the auto parser reads
     message, has_calls = final_message(PLAN, '<tool_call>{"name": "add", "arguments": '
                                              '{"a": 1, "b": 2}}</tool_call>', complete=True)
+    llama3, _ = final_message(PLAN, '<|python_tag|>{"name": "add", "parameters": {"a": 1, '
+                                    '"b": 2}}', complete=True)
+    assert llama3["tool_calls"][0]["function"] == message["tool_calls"][0]["function"]
     assert has_calls and message["content"] is None
     assert message["tool_calls"][0]["function"] == {"name": "add", "arguments": '{"a": 1, "b": 2}'}
