@@ -14,11 +14,13 @@ used between JSON tokens; default outlines-core's `[ ]?`).
 
 `validate_response_format` runs at `SamplingParams` construction and checks the shape only (cheap,
 no tokenizer), including its size: at most `MAX_DEPTH` dict/list levels and `MAX_NODES` values
-(a schema sent as a JSON string is parsed and held to the same limits). `regex_for` turns a valid format into the regex that outlines-core compiles; it
-runs at submission (`generate`/the engine), where a schema outlines-core cannot translate -- or
-one using a keyword it would silently ignore (`jaxdecode.json_schema`: integer bounds are
-enforced, the rest refused) -- raises `ValueError("response_format: ...")`. The regex dialect is Rust's `regex` crate (outlines-core);
-a `regex` pattern must fullmatch the output (it is anchored at both ends).
+(a schema sent as a JSON string is parsed and held to the same limits). `regex_for` turns a
+valid format into the regex that outlines-core compiles; it runs at submission
+(`generate`/the engine), where a schema outlines-core cannot translate -- or one using a
+keyword it would silently ignore (`jaxdecode.json_schema`: integer bounds are enforced, the
+rest refused) -- raises `ValueError("response_format: ...")`. The regex dialect is Rust's
+`regex` crate (outlines-core); a `regex` pattern must fullmatch the output (it is anchored at
+both ends).
 
 `json_object` is outlines-core's translation of `{"type": "object"}`: a JSON object whose
 values nest objects/arrays a bounded number of levels deep (a regular language cannot express

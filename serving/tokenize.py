@@ -1,8 +1,9 @@
 """``POST /tokenize`` and ``POST /detokenize`` (vLLM's routes; contract §12 "Tokenize").
 
-    POST /tokenize    {"model"?, "prompt": str}                 -> {"tokens", "count", "max_model_len"}
+    POST /tokenize    {"model"?, "prompt": str}
                       {"model"?, "messages": [...], "tools"?: [...]}
-    POST /detokenize  {"model"?, "tokens": [int, ...]}          -> {"prompt"}
+                      -> {"tokens", "count", "max_model_len"}
+    POST /detokenize  {"model"?, "tokens": [int, ...]} -> {"prompt"}
 
 The prompt form tokenizes exactly as ``/v1/completions`` does (special tokens added as the
 tokenizer is configured), the messages form exactly as ``/v1/chat/completions`` renders its

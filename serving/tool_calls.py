@@ -20,8 +20,9 @@ Streaming (`ToolStream`): the first piece of a call carries ``index``, ``id``, `
 ``function.name`` and the first ``function.arguments`` fragment, the next ones (``index`` and
 ``function.arguments``) the following fragments, and the fragments of a call concatenate to
 the final message's ``arguments`` (an auto call comes whole, once its ``</tool_call>`` is
-read; text that may begin a ``<tool_call>`` is held back until it is known not to). finish_reason: ``tool_calls`` for required and auto calls,
-``stop`` for a named call (as OpenAI answers a forced function); ``length`` stays ``length``.
+read; text that may begin a ``<tool_call>`` is held back until it is known not to).
+finish_reason: ``tool_calls`` for required and auto calls, ``stop`` for a named call (as
+OpenAI answers a forced function); ``length`` stays ``length``.
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ _REQUIRED_PREFIX = '{"name":"'
 _REQUIRED_ARGS = '","arguments":'
 
 
-def call(name: str, arguments: str, cid: Optional[str] = None) -> dict:
-    return {"id": cid or call_id(), "type": "function",
+def call(name: str, arguments: str) -> dict:
+    return {"id": call_id(), "type": "function",
             "function": {"name": name, "arguments": arguments}}
 
 
@@ -137,7 +138,6 @@ class ToolStream:
         self.buffer = ""       # required: the whole text; auto: the unsent tail
         self.sent = 0          # required: argument characters sent
         self.calls = 0         # calls opened so far
-        self.cid: Optional[str] = None
         self.whole: Optional[bool] = None  # auto: held whole as a possible Llama 3 call
 
     def opening(self) -> dict:
@@ -166,9 +166,8 @@ class ToolStream:
 
     def _piece(self, name: Optional[str], arguments: str) -> dict:
         if name is not None:  # a call opens
-            self.cid = call_id()
             self.calls += 1
-            return {"index": self.calls - 1, "id": self.cid, "type": "function",
+            return {"index": self.calls - 1, "id": call_id(), "type": "function",
                     "function": {"name": name, "arguments": arguments}}
         return {"index": self.calls - 1, "function": {"arguments": arguments}}
 

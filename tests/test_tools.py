@@ -206,7 +206,7 @@ def test_bad_tools_are_400s_naming_the_field_and_the_server_keeps_serving(client
     _check_call(ok.choices[0].message.tool_calls[0])
 
 
-# -- the parsers, without a model -----------------------------------------------------------------
+# -- the parsers, without a model ----------------------------------------------------------------
 
 PLAN = plan_for(TOOLS, "auto", None)
 REQUIRED = plan_for(TOOLS, "required", None)
@@ -266,7 +266,7 @@ def test_required_stream_under_any_chunking_equals_the_final_message(cuts):
     assert message["tool_calls"][0]["function"]["arguments"] == '{"a":-3,"b":7}'
 
 
-# -- a real `jaxdecode serve` -----------------------------------------------------------------------
+# -- a real `jaxdecode serve` -------------------------------------------------------------------
 
 def test_real_serve_named_and_required_calls_and_a_bad_tool(tmp_path):
     with serve(tmp_path / "serve.log", "--max-slots", "2", "--max-len", "512") as (_, url):
