@@ -14,10 +14,13 @@ used between JSON tokens; default outlines-core's `[ ]?`).
 
 `validate_response_format` runs at `SamplingParams` construction and checks the shape only (cheap,
 no tokenizer), including its size: at most `MAX_DEPTH` dict/list levels and `MAX_NODES` values
-(a schema sent as a JSON string is parsed and held to the same limits). `regex_for` turns a valid format into the regex that outlines-core compiles; it
-runs at submission (`generate`/the engine), where a schema outlines-core cannot translate raises
-`ValueError("response_format: ...")`. The regex dialect is Rust's `regex` crate (outlines-core);
-a `regex` pattern must fullmatch the output (it is anchored at both ends).
+(a schema sent as a JSON string is parsed and held to the same limits). `regex_for` turns a
+valid format into the regex that outlines-core compiles; it runs at submission
+(`generate`/the engine), where a schema outlines-core cannot translate -- or one using a
+keyword it would silently ignore (`jaxdecode.json_schema`: integer bounds are enforced, the
+rest refused) -- raises `ValueError("response_format: ...")`. The regex dialect is Rust's
+`regex` crate (outlines-core); a `regex` pattern must fullmatch the output (it is anchored at
+both ends).
 
 `json_object` is outlines-core's translation of `{"type": "object"}`: a JSON object whose
 values nest objects/arrays a bounded number of levels deep (a regular language cannot express
@@ -28,6 +31,8 @@ from __future__ import annotations
 
 import json
 from typing import Any, Optional
+
+from jaxdecode import json_schema
 
 FIELD = "response_format"
 MAX_DEPTH = 64      # dict/list levels of a response_format (a JSON schema ~30 levels deep)
@@ -136,15 +141,17 @@ def regex_for(rf: dict) -> str:
     from outlines_core.json_schema import build_regex_from_schema
 
     if kind == "json_object":
-        schema = {"type": "object"}
+        schema, ranges = {"type": "object"}, {}
     else:
         schema = rf["json_schema"]["schema"]
         if isinstance(schema, str):
             schema = json.loads(schema)
+        schema, ranges = json_schema.prepare(schema, fail)
     try:
         text = json.dumps(schema, sort_keys=False)
         ws = rf.get("whitespace_pattern")
-        return build_regex_from_schema(text, ws) if ws is not None else build_regex_from_schema(text)
+        regex = (build_regex_from_schema(text, ws) if ws is not None
+                 else build_regex_from_schema(text))
     except Exception as exc:  # outlines-core raises ValueError / TypeError / its own errors
         fail(f"outlines-core cannot translate this JSON schema to a regex: {exc}")
-    raise AssertionError("unreachable")
+    return json_schema.regex_with_ranges(regex, ranges)

@@ -7,7 +7,8 @@ This module holds the routes, the app assembly and `Server` (the app's state and
 `serving.responses` writes them (JSON, SSE) over the engine-to-loop listener bridge.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``
-(and ``/v1/models/{id}``), ``GET /v1/streams/{request_id}`` (resume, contract T4), ``GET /health``,
+(and ``/v1/models/{id}``), ``GET /v1/streams/{request_id}`` (resume, contract T4),
+``POST /tokenize`` and ``POST /detokenize`` (`serving.tokenize`), ``GET /health``,
 ``GET /metrics``. With `api_key` set, every route except ``/health`` needs
 ``Authorization: Bearer <key>`` (401 otherwise).
 
@@ -17,7 +18,9 @@ engine requests (ids ``<id>-<i>``) by `LLM.submit_n`, as `LLM.generate` expands 
 the request alone, choice i >= 1 samples with ``fold_in(key(seed), i)`` and shares choice 0's
 prompt pages; with ``num_beams`` > 1 the n choices are the n best beams of one search.
 ``logprobs`` / ``top_logprobs`` are answered in OpenAI's formats (`serving.protocol`), also in
-every streaming chunk that carries tokens; ``echo``, ``best_of`` != n, ``suffix`` and ``tools``
+every streaming chunk that carries tokens; ``tools`` / ``tool_choice`` are tool calling
+(`serving.tools`: named and required calls generated under their schemas; `serving.tool_calls`:
+``message.tool_calls`` and the streamed pieces); ``echo``, ``best_of`` != n and ``suffix``
 get a 400 "not supported" instead of a silent no-op; ``response_format`` goes to the engine, which
 enforces it inside the decode step; a constraint it cannot compile -- or not within the
 engine's compile budget -- raises ValueError("response_format: ...") and becomes a 400 naming
@@ -80,12 +83,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from serving.logs import log_event
 from serving.metrics import Metrics
 from serving.protocol import (ApiError, ChatCompletionRequest, CompletionRequest, bad_request,
-                              parse_request, top_logprobs_count)
+                              error_from_value_error, parse_request, top_logprobs_count)
 from serving.render import Renderer, failure, finish_label
 from serving.responses import (SSEResponse, error_response, last_event_id, pump, sse,
                                wait_terminal)
 from serving.streams import ResponseLog, StreamRegistry
 from serving.submission import Tracked, check_model, read_body, submit_watching
+from serving.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
+from serving.tools import plan_for
 
 ON_DISCONNECT = ("cancel", "continue")
 
@@ -209,9 +214,12 @@ class Server:
             req = parse_request(ChatCompletionRequest if chat else CompletionRequest, body)
             check_model(req.model, self.model_name)
             stream = bool(req.stream)
+            tools = (await anyio.to_thread.run_sync(
+                lambda: plan_for(req.tools, req.tool_choice, req.response_format))
+                if chat else None)
             handles, ids = await submit_watching(
                 request, self.llm, req, chat=chat, request_id=request_id, stream=stream,
-                max_n=self.max_n, retry_after_s=self.retry_after_s)
+                max_n=self.max_n, retry_after_s=self.retry_after_s, tools=tools)
         except ApiError as err:
             return self.reject(err, request_id, endpoint)
         except Exception:  # answered here: an exception past the route would drop the connection
@@ -224,7 +232,7 @@ class Server:
             fields["prompt"] = ([m.model_dump() for m in req.messages] if chat else req.prompt)
         log_event("request.received", **fields)
         tracked = Tracked(request_id, endpoint, handles, stream, t0,
-                          top_logprobs=top_logprobs_count(req, chat))
+                          top_logprobs=top_logprobs_count(req, chat), tools=tools)
         if stream:
             return self.stream(request, req, tracked, chat, len(ids))
         return await self.respond(request, tracked, chat, len(ids))
@@ -280,6 +288,21 @@ class Server:
                            headers={"x-request-id": request_id})
 
     # -- other routes -----------------------------------------------------------------------------
+
+    async def tokens(self, request: Request, endpoint: str) -> Response:
+        """/tokenize and /detokenize (`serving.tokenize`), validated like the completions."""
+        forward = endpoint == "/tokenize"
+        try:
+            body = await read_body(request, self.max_body_bytes)
+            req = parse_request(TokenizeRequest if forward else DetokenizeRequest, body)
+            check_model(req.model, self.model_name)
+            answer = await anyio.to_thread.run_sync(
+                lambda: tokenize(self.llm, req) if forward else detokenize(self.llm, req))
+        except ApiError as err:
+            return self.reject(err, None, endpoint)
+        except ValueError as exc:  # the chat template's (`messages: ...`)
+            return self.reject(error_from_value_error(exc, chat=True), None, endpoint)
+        return JSONResponse(answer)
 
     def health(self) -> JSONResponse:
         llm = self.llm
@@ -391,6 +414,14 @@ def _add_routes(app: FastAPI, server: Server) -> None:
     @app.get("/v1/streams/{request_id}")
     async def resume(request_id: str, request: Request):
         return await server.resume(request, request_id)
+
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request):
+        return await server.tokens(request, "/tokenize")
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request):
+        return await server.tokens(request, "/detokenize")
 
     @app.get("/health")
     async def health():

@@ -62,6 +62,7 @@ OPENAI_FINISH = {
 MIN_LOGPROB = -9999.0
 MAX_MESSAGES = 2048      # chat messages per request
 MAX_CONTENT_PARTS = 256  # content parts per message
+MAX_TOOL_CALLS = 128     # tool calls per assistant message
 
 
 def openai_finish_reason(reason: Any) -> str:
@@ -142,11 +143,24 @@ class ContentPart(_Model):
     text: Optional[str] = None
 
 
+class FunctionCall(_Model):
+    name: str
+    arguments: str  # a JSON string, as OpenAI sends it
+
+
+class ToolCall(_Model):
+    id: Optional[str] = None
+    type: Optional[str] = None
+    function: FunctionCall
+
+
 class ChatMessage(_Model):
     role: str
     content: Optional[Union[str, Annotated[list[ContentPart],
                                            Field(max_length=MAX_CONTENT_PARTS)]]] = None
     name: Optional[str] = None
+    tool_calls: Optional[Annotated[list[ToolCall], Field(max_length=MAX_TOOL_CALLS)]] = None
+    tool_call_id: Optional[str] = None
 
 
 class ChatCompletionRequest(_Common):
@@ -264,7 +278,8 @@ def _unsupported(param: str, what: str) -> ApiError:
 
 def check_unsupported(req: _Common, *, chat: bool, max_n: int) -> None:
     """Fields jaxdecode accepts but cannot honour yet get a 400 instead of a silent no-op; so
-    do `n` and the logprobs fields out of range, and chat `top_logprobs` without `logprobs`."""
+    do `n` and the logprobs fields out of range, and chat `top_logprobs` without `logprobs`
+    (`tools` / `tool_choice`: `serving.tools`)."""
     n = 1 if req.n is None else req.n
     if not 1 <= n <= max_n:
         raise bad_request(f"n: must be in [1, {max_n}], got {n}", "n")
@@ -277,10 +292,6 @@ def check_unsupported(req: _Common, *, chat: bool, max_n: int) -> None:
                               f"{req.top_logprobs}", "top_logprobs")
         if req.top_logprobs and not req.logprobs:
             raise bad_request("top_logprobs: needs logprobs set to true", "top_logprobs")
-        if req.tools:
-            raise _unsupported("tools", "tool calling is not supported")
-        if req.tool_choice not in (None, "none"):
-            raise _unsupported("tool_choice", "tool calling is not supported")
     else:
         if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
             raise bad_request(f"logprobs: must be in [0, {MAX_LOGPROBS}], got {req.logprobs}",

@@ -15,6 +15,7 @@ from typing import Any, Optional, Sequence
 
 from jaxdecode.host.stream import TERMINAL_KINDS
 from jaxdecode.types import ErrorCode, FinishReason, RequestState
+from serving import tool_calls
 from serving.protocol import ApiError, format_logprobs, openai_finish_reason
 
 # error codes of a failed request that the request itself caused (400, not 500), with the
@@ -125,12 +126,19 @@ class Renderer:
         entries, text = handle.logprobs, handle.text
         offsets = [handle.token_offset(j) for j in range(len(entries or ()))]
         logprobs = self.logprobs(entries, offsets, chat, tracked.top_logprobs)
-        if chat:
+        fields = self.finish_fields(handle, tracked.transport_error)
+        if chat and tracked.tools is not None and tracked.tools.mode != "none":
+            message, has_calls = tool_calls.final_message(
+                tracked.tools, text, complete=tool_calls.completed(fields))
+            fields["finish_reason"] = tool_calls.reason(tracked.tools, fields["finish_reason"],
+                                                        has_calls)
+            choice = {"index": i, "message": message, "logprobs": logprobs}
+        elif chat:
             choice = {"index": i, "message": {"role": "assistant", "content": text},
                       "logprobs": logprobs}
         else:
             choice = {"index": i, "text": text, "logprobs": logprobs}
-        choice.update(self.finish_fields(handle, tracked.transport_error))
+        choice.update(fields)
         if handle.score is not None:  # extension: a beam's HF score (contract §10)
             choice["score"] = handle.score
         return choice
@@ -169,6 +177,23 @@ class Renderer:
             return None
         if not log.chat:
             return self.chunk(log, {"index": i, "text": text, "logprobs": logprobs, **reason})
-        delta = ({"role": "assistant", "content": ""} if ev.kind == "start"
-                 else {"content": text} if ev.kind == "delta" else {})
+        plan = tracked.tools
+        if plan is not None and plan.mode != "none":
+            delta = self.tool_delta(tracked, i, ev, text, reason)
+        else:
+            delta = ({"role": "assistant", "content": ""} if ev.kind == "start"
+                     else {"content": text} if ev.kind == "delta" else {})
         return self.chunk(log, {"index": i, "delta": delta, "logprobs": logprobs, **reason})
+
+    def tool_delta(self, tracked: Any, i: int, ev: Any, text: str, reason: dict) -> dict:
+        """Choice `i`'s delta under its tool plan (`serving.tool_calls.ToolStream`); sets the
+        tool finish reason on the terminal event's `reason`."""
+        stream = tracked.tool_streams.setdefault(i, tool_calls.ToolStream(tracked.tools))
+        if ev.kind == "start":
+            return stream.opening()
+        if ev.kind == "delta":
+            return stream.feed(text)
+        delta = stream.finish(complete=tool_calls.completed(reason))
+        reason["finish_reason"] = tool_calls.reason(tracked.tools, reason["finish_reason"],
+                                                    stream.has_calls)
+        return delta

@@ -23,6 +23,7 @@ from jaxdecode.tokenization import encode
 from serving import chat as chat_mod
 from serving.protocol import (ApiError, bad_request, check_unsupported, error_from_value_error,
                               max_tokens_field, sampling_params)
+from serving.tools import ToolPlan, tools_error
 
 
 @dataclasses.dataclass
@@ -37,6 +38,8 @@ class Tracked:
     transport_error: bool = False
     finished: bool = False
     top_logprobs: Optional[int] = None  # top entries shown per token; None: no logprobs
+    tools: Optional[ToolPlan] = None    # chat tool calling (`serving.tools`)
+    tool_streams: dict = dataclasses.field(default_factory=dict)  # choice -> ToolStream
 
 
 async def read_body(request: Request, max_body_bytes: int) -> bytes:
@@ -65,11 +68,12 @@ def check_model(model: Optional[str], model_name: str) -> None:
                             f"serves {model_name!r})", param="model", code="model_not_found")
 
 
-def prompt_ids(llm: Any, req: Any, chat: bool) -> list:
-    """The prompt's token ids: the chat template over the messages, or the one prompt (text
-    or ids)."""
+def prompt_ids(llm: Any, req: Any, chat: bool, tools: Optional[ToolPlan] = None) -> list:
+    """The prompt's token ids: the chat template over the messages (and the tools), or the one
+    prompt (text or ids)."""
     if chat:
-        ids, _ = chat_mod.chat_prompt_ids(llm.tokenizer, req.messages)
+        ids, _ = chat_mod.chat_prompt_ids(llm.tokenizer, req.messages,
+                                          tools.templated() if tools else None)
         return ids
     prompt = req.prompt
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
@@ -81,19 +85,27 @@ def prompt_ids(llm: Any, req: Any, chat: bool) -> list:
 
 
 def submit(llm: Any, req: Any, *, chat: bool, request_id: str, stream: bool, max_n: int,
-           retry_after_s: int, cancelled: Callable[[], bool]) -> tuple[list, list]:
+           retry_after_s: int, cancelled: Callable[[], bool],
+           tools: Optional[ToolPlan] = None) -> tuple[list, list]:
     """Validate, tokenize and queue every choice (runs in a worker thread; `cancelled()`
-    true abandons a constraint compile). Returns (handles, prompt ids)."""
+    true abandons a constraint compile). Returns (handles, prompt ids). `tools` (chat, from
+    `serving.tools.plan_for`): a named or required plan's constraint replaces
+    ``response_format``, and its compile errors name ``tools``."""
     check_unsupported(req, chat=chat, max_n=max_n)
     n = 1 if req.n is None else req.n
     default_max = llm.max_len if chat else 16
     sp = sampling_params(req, chat=chat, stream=stream, default_max_tokens=default_max)
+    constrained = tools is not None and tools.constrained
     _, mt_name = max_tokens_field(req, chat)
     try:
-        ids = prompt_ids(llm, req, chat)
+        if constrained:
+            sp = dataclasses.replace(sp, response_format=tools.response_format())
+        ids = prompt_ids(llm, req, chat, tools)
         handles = llm.submit_n(ids, dataclasses.replace(sp, n=n), request_id=request_id,
                                cancelled=cancelled)
     except ValueError as exc:
+        if constrained and str(exc).startswith("response_format"):
+            raise tools_error(exc) from None
         raise error_from_value_error(exc, chat=chat, max_tokens_name=mt_name) from None
     except QueueFull as exc:
         raise ApiError(429, f"the server is busy: {exc}; retry later", code="queue_full",

@@ -1,0 +1,183 @@
+"""Tool calling on /v1/chat/completions: `tools` and `tool_choice` validated into a `ToolPlan`,
+and the device constraint that makes named and required calls valid by construction
+(contract §12 "Tool calls"; docs/serving.md "Tool calls").
+
+    tools:       [{"type": "function", "function": {"name", "description"?, "parameters"?}}]
+    tool_choice: "none" | "auto" | "required" | {"type": "function", "function": {"name": N}}
+                 (default "auto" with tools, "none" without)
+
+- named: the output *is* the arguments, generated under the tool's `parameters` schema;
+- required: the output is ``{"name":"<name>","arguments":<args>}`` under an `anyOf` of one
+  branch per tool (the name a constant, the arguments that tool's schema), compact JSON
+  (whitespace pattern ``""``) so the streamed pieces can be cut from it (`serving.tool_calls`);
+- auto: free text; Hermes / Qwen ``<tool_call>{...}</tool_call>`` blocks in it become calls;
+- none: free text (the tools are still rendered into the prompt, as vLLM does).
+
+Every `parameters` schema is translated at validation, so a schema the compiler cannot honour
+(`jaxdecode.json_schema`) is a 400 naming ``tools``; a bad choice is a 400 naming
+``tool_choice``. Named and required cannot be combined with ``response_format``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import uuid
+from typing import Any, Optional
+
+from jaxdecode.response_format import regex_for, validate_response_format
+from serving.protocol import ApiError, bad_request
+
+MODES = ("none", "auto", "required")
+MAX_TOOLS = 128
+_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+EMPTY_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
+
+
+@dataclasses.dataclass(frozen=True)
+class Tool:
+    name: str
+    description: Optional[str]
+    parameters: dict
+
+    def as_openai(self) -> dict:
+        """The tool as chat templates take it (OpenAI's shape)."""
+        function = {"name": self.name, "parameters": self.parameters}
+        if self.description is not None:
+            function["description"] = self.description
+        return {"type": "function", "function": function}
+
+
+def call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+def schema_format(schema: dict, whitespace: Optional[str] = None) -> dict:
+    rf = {"type": "json_schema", "json_schema": {"name": "tool", "schema": schema}}
+    if whitespace is not None:
+        rf["whitespace_pattern"] = whitespace
+    return rf
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolPlan:
+    """A request's tools and what `tool_choice` makes of them."""
+
+    tools: tuple[Tool, ...]
+    mode: str             # "none" | "auto" | "required" | "named"
+    name: Optional[str] = None  # the named tool
+
+    @property
+    def constrained(self) -> bool:
+        return self.mode in ("named", "required")
+
+    def tool(self, name: str) -> Optional[Tool]:
+        return next((t for t in self.tools if t.name == name), None)
+
+    def response_format(self) -> Optional[dict]:
+        """The constraint the engine enforces (None for none / auto)."""
+        if self.mode == "named":
+            return schema_format(self.tool(self.name).parameters)
+        if self.mode == "required":
+            return schema_format(required_schema(self.tools), whitespace="")
+        return None
+
+    def templated(self) -> list[dict]:
+        return [t.as_openai() for t in self.tools]
+
+
+def required_schema(tools: tuple[Tool, ...]) -> dict:
+    """One call of any of `tools`: ``{"name": <const>, "arguments": <its parameters>}``."""
+    return {"anyOf": [{"type": "object",
+                       "properties": {"name": {"const": t.name}, "arguments": t.parameters},
+                       "required": ["name", "arguments"], "additionalProperties": False}
+                      for t in tools]}
+
+
+def _field(obj: dict, key: str, kind: type, where: str, required: bool = True) -> Any:
+    value = obj.get(key)
+    if value is None and not required:
+        return None
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise bad_request(f"tools: {where}.{key} must be a {kind.__name__}, got "
+                          f"{type(value).__name__}", "tools")
+    return value
+
+
+def parse_tools(tools: Any) -> tuple[Tool, ...]:
+    """OpenAI `tools` -> Tools; 400 naming ``tools`` for a bad entry or a schema the compiler
+    cannot honour."""
+    if not isinstance(tools, list) or not tools:
+        raise bad_request("tools: must be a non-empty list of function tools", "tools")
+    if len(tools) > MAX_TOOLS:
+        raise bad_request(f"tools: at most {MAX_TOOLS} tools, got {len(tools)}", "tools")
+    out, seen = [], set()
+    for i, entry in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(entry, dict) or entry.get("type") != "function":
+            raise bad_request(f"tools: {where} must be {{\"type\": \"function\", "
+                              "\"function\": {...}}", "tools")
+        function = _field(entry, "function", dict, where)
+        name = _field(function, "name", str, f"{where}.function")
+        if not _NAME.match(name):
+            raise bad_request(f"tools: {where}.function.name must match {_NAME.pattern}, got "
+                              f"{name!r}", "tools")
+        if name in seen:
+            raise bad_request(f"tools: {where}.function.name {name!r} is used twice", "tools")
+        seen.add(name)
+        description = _field(function, "description", str, f"{where}.function", False)
+        parameters = _field(function, "parameters", dict, f"{where}.function", False)
+        parameters = EMPTY_PARAMETERS if parameters is None else parameters
+        check_schema(schema_format(parameters), f"{where}.function.parameters")
+        out.append(Tool(name, description, parameters))
+    return tuple(out)
+
+
+def check_schema(rf: dict, where: str) -> None:
+    """The schema translates into a constraint (ValueError -> 400 naming ``tools``)."""
+    try:
+        regex_for(validate_response_format(rf))
+    except ValueError as exc:
+        reason = str(exc).removeprefix("response_format: ")
+        raise bad_request(f"tools: {where}: {reason}", "tools") from None
+
+
+def plan_for(tools: Any, tool_choice: Any, response_format: Any) -> Optional[ToolPlan]:
+    """The request's ToolPlan (None without tools and tool_choice); 400 naming the field."""
+    if tools is None:
+        if tool_choice not in (None, "none"):
+            raise bad_request("tool_choice: needs 'tools'", "tool_choice")
+        return None
+    parsed = parse_tools(tools)
+    choice = "auto" if tool_choice is None else tool_choice
+    name = None
+    if isinstance(choice, dict):
+        function = choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        if choice.get("type") != "function" or not isinstance(name, str):
+            raise bad_request("tool_choice: must be 'none', 'auto', 'required' or "
+                              "{\"type\": \"function\", \"function\": {\"name\": ...}}",
+                              "tool_choice")
+        if name not in {t.name for t in parsed}:
+            raise bad_request(f"tool_choice: no tool is named {name!r} (tools: "
+                              f"{[t.name for t in parsed]})", "tool_choice")
+        mode = "named"
+    elif choice in MODES:
+        mode = choice
+    else:
+        raise bad_request(f"tool_choice: must be one of {list(MODES)} or a named function, got "
+                          f"{choice!r}", "tool_choice")
+    plan = ToolPlan(parsed, mode, name)
+    if plan.constrained:
+        if response_format is not None and response_format.get("type") != "text":
+            raise bad_request(f"tool_choice: {mode} tool calls cannot be combined with "
+                              "response_format", "tool_choice")
+        if mode == "required":
+            check_schema(plan.response_format(), "the tools together")
+    return plan
+
+
+def tools_error(exc: ValueError) -> ApiError:
+    """An engine ValueError about the tool constraint (it is our response_format), naming
+    ``tools``."""
+    return bad_request(f"tools: {str(exc).removeprefix('response_format: ')}", "tools")
