@@ -5,6 +5,11 @@ batch invariant with int8 operands (X1), and its bad values named."""
 from __future__ import annotations
 
 import functools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +23,7 @@ from models import quantization
 from tests.conftest import HF_CHECKPOINTS
 from tests.test_batch_invariance import PROBE_SP, _batch, _probe_logits, _prompt
 
+ROOT = Path(__file__).resolve().parents[1]
 FAMILIES = sorted(set(HF_CHECKPOINTS) - {"llama_sharded"}) + ["demo"]
 
 
@@ -134,3 +140,41 @@ def test_bad_quantization_names_the_field(tiny_hf_checkpoint, value):
         models.demo(quantization=value)
     with pytest.raises(ValueError, match="quantization"):
         models.load(tiny_hf_checkpoint("llama"), quantization=value)
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "jaxdecode.cli", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
+
+
+def test_cli_generate_int8_records_the_quantization_and_replay_rebuilds_it(tmp_path):
+    """`generate --quantization int8` on the demo model: the greedy text of the int8 model, a
+    record that pins "int8", and a replay of it that loads int8 weights again (identical: the
+    weights' hash matches, so no "environment differs" line). The same record edited to say
+    float replays on float weights, and says that the weights differ."""
+    record = tmp_path / "int8.json"
+    args = ("generate", "--prompt", "def add(a, b):", "--max-tokens", "8", "--temperature",
+            "0", "--json")
+    out = _cli(*args, "--quantization", "int8", "--record", str(record))
+    assert out.returncode == 0, out.stderr
+    qmodel, qparams, tokenizer = _demo("int8")
+    sp = jd.SamplingParams(temperature=0.0, max_tokens=8)
+    want = jd.generate(qmodel, qparams, [tokenizer.encode("def add(a, b):").ids], sp)
+    assert json.loads(out.stdout)["token_ids"] == want.tokens(0)
+    data = json.loads(record.read_text())
+    assert data["model"]["quantization"] == "int8" and data["model"]["source"] == "demo"
+    again = _cli("replay", str(record))
+    assert again.returncode == 0 and "identical" in again.stdout, again.stdout + again.stderr
+    assert "environment differs" not in again.stdout
+    data["model"]["quantization"] = None
+    edited = tmp_path / "float.json"
+    edited.write_text(json.dumps(data))
+    floated = _cli("replay", str(edited))
+    assert "weights differ" in floated.stdout, floated.stdout + floated.stderr
+
+
+def test_cli_bad_quantization_names_the_flag():
+    for command in ("generate", "serve", "bench"):
+        out = _cli(command, "--quantization", "int4")
+        assert out.returncode != 0 and "--quantization" in out.stderr, (command, out.stderr)

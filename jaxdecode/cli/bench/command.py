@@ -13,7 +13,7 @@ from jaxdecode.cli.bench import host, paged, report as report_mod, research, sea
 from jaxdecode.cli.bench import throughput
 from jaxdecode.cli.bench.configs import BENCH_CONFIGS, bench_model, hf_comparable, host_model
 from jaxdecode.cli.bench.timing import BenchConfig
-from serving.loading import add_batch_invariance_argument
+from serving.loading import add_batch_invariance_argument, add_quantization_argument
 
 
 def add_parser(sub) -> None:
@@ -32,6 +32,7 @@ def bench_arguments(b) -> None:
                    help="rows per weight-product tile of the model (default: the model's, 4; "
                         "docs/batch_invariance.md \"Row tiles as a setting\")")
     add_batch_invariance_argument(b)
+    add_quantization_argument(b)
     b.add_argument("--invariance-tax", action="store_true",
                    help="also time the fast path (--no-batch-invariant's model) beside the "
                         "batch-invariant one, per batch size: the invariance tax")
@@ -152,7 +153,7 @@ def _decode_sections(args, cfg: BenchConfig) -> tuple[dict, list]:
 
     progress = lambda row: print(json.dumps(row), file=sys.stderr)  # noqa: E731
     with tempfile.TemporaryDirectory() as workdir:
-        model, params, hf = bench_model(args.model, args.compare_hf, workdir)
+        model, params, hf = bench_model(args.model, args.compare_hf, workdir, args.quantization)
         fast = row_tiled(model, args.row_tile, False) if args.invariance_tax else None
         model = row_tiled(model, args.row_tile, args.batch_invariant)
         report = throughput.run(model, params, cfg, hf_model=hf, hf_threads=args.hf_threads,
@@ -200,7 +201,7 @@ def _host_sections(args, cfg: BenchConfig, report: dict, text: list) -> None:
 
     from jaxdecode.engine.config import row_tiled
 
-    model, params, tokenizer, spec = host_model(args.model)
+    model, params, tokenizer, spec = host_model(args.model, args.quantization)
     model = row_tiled(model, args.row_tile, args.batch_invariant)
     if args.host_cost:
         with open(os.path.join(sysconfig.get_paths()["stdlib"], "json", "decoder.py"),
