@@ -178,3 +178,20 @@ def test_cli_bad_quantization_names_the_flag():
     for command in ("generate", "serve", "bench"):
         out = _cli(command, "--quantization", "int4")
         assert out.returncode != 0 and "--quantization" in out.stderr, (command, out.stderr)
+
+
+def test_bench_quality_section_runs_and_its_numbers_are_sane(tmp_path):
+    """`bench --quality --quick`: finite held-out losses for float and int8 weights on the
+    demo model's held-out text, the increase their difference, an agreement count in [0, 16];
+    another bench flag beside it is named."""
+    out_file = tmp_path / "quality.json"
+    out = _cli("bench", "--quality", "--quick", "--json", str(out_file))
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out_file.read_text())
+    loss = report["loss_nats_per_token"]
+    assert all(np.isfinite(v) and 0 < v < np.log(4096) for v in loss.values()), loss
+    assert report["loss_increase"] == pytest.approx(loss["int8"] - loss["float"])
+    assert report["prompts"] == 16 and 0 <= report["first_token_agreement"] <= 16
+    assert report["held_out_tokens"] == 4096 and "first greedy token agrees" in out.stdout
+    bad = _cli("bench", "--quality", "--batch", "4")
+    assert bad.returncode != 0 and "--batch" in bad.stderr
