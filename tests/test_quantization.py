@@ -188,3 +188,36 @@ def test_bench_quality_section_runs_and_its_numbers_are_sane(tmp_path):
     assert report["held_out_tokens"] == 4096 and "first greedy token agrees" in out.stdout
     bad = _cli("bench", "--quality", "--batch", "4")
     assert bad.returncode != 0 and "--batch" in bad.stderr
+
+
+SHARDED = """
+import json
+import jax, jax.numpy as jnp, numpy as np
+import models
+model, params, tokenizer = models.demo(quantization="int8")
+mesh = models.make_mesh(1, 2)
+sharded = models.shard_params(params, mesh)
+q, o = sharded["layers"][0]["q"], sharded["layers"][0]["o"]
+ids = jnp.asarray([tokenizer.encode("def f(x):").ids])
+diff = np.max(np.abs(np.asarray(model.logits(params, ids))
+                     - np.asarray(jax.jit(model.logits)(sharded, ids))))
+print("RESULT" + json.dumps({"unmatched": models.sharding.unmatched(params),
+    "q": [list(q.qvalue.sharding.spec), list(q.scale.sharding.spec)],
+    "o": [list(o.qvalue.sharding.spec), list(o.scale.sharding.spec)], "diff": float(diff)}))
+"""
+
+
+def test_int8_weights_shard_by_their_weights_rules():
+    """On a 1x2 mesh the int8 values and scales take their weight's rule (q column parallel,
+    scale too; o row parallel, its [1, D] scale whole), and the sharded model's logits are the
+    unsharded ones up to the order of the partial sums (float32 rounding)."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT),
+               XLA_FLAGS=(os.environ.get("XLA_FLAGS", "")
+                          + " --xla_force_host_platform_device_count=2").strip())
+    proc = subprocess.run([sys.executable, "-c", SHARDED], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r = json.loads([x for x in proc.stdout.splitlines() if x.startswith("RESULT")][-1][6:])
+    assert r["unmatched"] == []
+    assert r["q"] == [[None, "model"], [None, "model"]] and r["o"] == [["model"], []]
+    assert r["diff"] <= 1e-4
