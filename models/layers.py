@@ -2,10 +2,11 @@
 shared `CachedDecoder`.
 
 Batch invariance (docs/batch_invariance.md, X1) is built in `jaxdecode.invariance`: the weight
-products (`dense` on the call's `Tiles`, float or int8 weights: models/quantization.py), attention on fixed key blocks and `fixed_sum`s, and
-XLA's plain ones for a model without invariance (`with_invariance("none")`); this module
-re-exports the pieces the families call. A family passes its call's `tile` (a `Tiles`, or None
-for plain numerics: `logits()` and the fast path) to every product and norm.
+products (`dense` on the call's `Tiles`, float or int8 weights: models/quantization.py),
+attention on fixed key blocks and `fixed_sum`s, and XLA's plain ones for a model without
+invariance (`with_invariance("none")`); this module re-exports the pieces the families call. A
+family passes its call's `tile` (a `Tiles`, or None for plain numerics: `logits()` and the fast
+path) to every product and norm.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""Weight-only int8 (`models.load(..., quantization="int8")`, `models.demo(quantization=...)`,
-docs/contract.md §12, weight quantization): every linear weight becomes a `qwix.QArray` -- int8 values and one
-absmax scale per output channel -- and the products dequantize it inside the step.
+"""Weight-only int8 (`models.load(..., quantization="int8")`, `models.demo(quantization=...)`;
+docs/contract.md §12, weight quantization): every linear weight becomes a `qwix.QArray` -- int8
+values and one absmax scale per output channel -- and the products dequantize it inside the
+step.
 
 Which weights: the attention and MLP projections (`LINEAR`), the output head (`lm_head`) and,
 where the head is tied to it, the embedding, with one scale per vocabulary row (its output

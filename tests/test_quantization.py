@@ -1,6 +1,7 @@
-"""Weight-only int8 (contract §12 "Weight quantization", models/quantization.py): every linear weight as int8 values
-with a scale per output channel, loaded for every family, close to the float model, smaller,
-batch invariant with int8 operands (X1), and its bad values named."""
+"""Weight-only int8 (contract §12 "Weight quantization", models/quantization.py): every linear
+weight as int8 values with a scale per output channel, loaded for every family, close to the
+float model, smaller, batch invariant with int8 operands (X1), sharded by the weights' rules,
+through the CLI and its records, measured by `bench --quality`, and its bad values named."""
 
 from __future__ import annotations
 
@@ -61,10 +62,10 @@ def _dequantized(params):
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_every_family_loads_int8_and_stays_close_to_float(family, name):
-    """Contract §12: every linear weight is int8 with one scale per output channel (the tied embedding
-    one per row); the int8 model's logits are those of the float model run on the dequantized
-    weights (to 1e-5 of their range: only the order of float operations differs), and they
-    differ from the float model's by at most 10% of the logit range. That bound: absmax
+    """Contract §12: every linear weight is int8 with one scale per output channel (the tied
+    embedding one per row); the int8 model's logits are those of the float model run on the
+    dequantized weights (to 1e-5 of their range: only the order of float operations differs),
+    and they differ from the float model's by at most 10% of the logit range. That bound: absmax
     rounding moves each weight by at most 1/254 of its channel's largest entry, which the tiny
     random models turn into 0.7-2.3% of the range, and 8.5% in Gemma 3 (the float model on
     dequantized weights shows the same, so it is the model's sensitivity, not the product: its
