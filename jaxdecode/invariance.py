@@ -178,9 +178,10 @@ class Tiles:
 
 
 def dense(x: Array, w: Array, tile: Optional[Tiles] = None, *, transpose: bool = False,
-          out_dtype: Any = None) -> Array:
+          out_dtype: Any = None, dot: Any = None) -> Array:
     """x [B, T, K] @ w [K, N] (w [N, K] with `transpose`) -> [B, T, N]; `tile` None: XLA's
-    product.
+    product. `dot`: a drop-in for `jax.lax.dot_general` that takes `w` (a quantized weight's
+    product, models/quantization.py); its tiles never stack (no probe knows its product).
 
     With `tile`, each token row's arithmetic is that of one fixed-shape product of exactly
     max(tile.size, T) rows (the last tile zero-padded), whatever B is. One tile: one product.
@@ -191,8 +192,8 @@ def dense(x: Array, w: Array, tile: Optional[Tiles] = None, *, transpose: bool =
     else a loop of tile products that stops after the tile holding batch row `tile.rows - 1`
     (later rows are zeros), its trip count hidden from XLA so that it is never unrolled."""
     contract = lambda a: (((a.ndim - 1,), (1 if transpose else 0,)), ((), ()))  # noqa: E731
-    product = lambda a: jax.lax.dot_general(a, w, contract(a),  # noqa: E731
-                                            preferred_element_type=out_dtype)
+    product = lambda a: (dot or jax.lax.dot_general)(a, w, contract(a),  # noqa: E731
+                                                     preferred_element_type=out_dtype)
     if tile is None:
         return product(x)
     *lead, t, k = x.shape
@@ -204,7 +205,7 @@ def dense(x: Array, w: Array, tile: Optional[Tiles] = None, *, transpose: bool =
     n = w.shape[0] if transpose else w.shape[1]
     shape = (count * rows, rows, k, n, jnp.dtype(x.dtype).name, jnp.dtype(w.dtype).name,
              None if out_dtype is None else jnp.dtype(out_dtype).name, transpose)
-    if count == 1 or (not tile.unrolled and stacked_tiles_agree(*shape)):
+    if count == 1 or (not tile.unrolled and dot is None and stacked_tiles_agree(*shape)):
         return product(flat)[:m].reshape(*lead, t, n)
     if tile.unrolled:
         return _unrolled(flat, product, rows, count)[:m].reshape(*lead, t, n)

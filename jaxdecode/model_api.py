@@ -300,6 +300,14 @@ def cache_sharding(mesh: Any, cache: Any) -> Any:
     return cache.replace(**{name: one(name, getattr(cache, name)) for name in fields})
 
 
+def params_quantization(params: Any) -> Optional[str]:
+    """"int8" where the weights hold int8 arrays (models.load's `quantization="int8"`: values
+    beside their float scales), else None (float weights); records pin it."""
+    if any(x.dtype == jnp.int8 for x in jax.tree.leaves(params)):
+        return "int8"
+    return None
+
+
 def params_dtype(params: Any):
     """The floating dtype of a model's weights (the KV cache is kept in it)."""
     floats = [x.dtype for x in jax.tree.leaves(params) if jnp.issubdtype(x.dtype, jnp.floating)]

@@ -39,6 +39,7 @@ from jaxdecode.config import SamplingParams
 from jaxdecode.device import numerics
 from jaxdecode.device.processors import PROCESSOR_ORDER
 from jaxdecode.host.stop import STOP_RULE_VERSION
+from jaxdecode.model_api import params_quantization
 
 RECORD_FORMAT = "jaxdecode.record/1"
 
@@ -131,7 +132,8 @@ def build_record(*, model_hash: str, model_config: Any, model_source: Optional[s
                  finish_reason: Optional[str], error: Optional[str], usage: dict,
                  messages: Optional[list] = None, chat_template_hash: Optional[str] = None,
                  processors: Optional[tuple] = None,
-                 batch_invariance: Optional[dict] = None) -> GenerationRecord:
+                 batch_invariance: Optional[dict] = None,
+                 quantization: Optional[str] = None) -> GenerationRecord:
     """The record of one request; `processors`: the stage order with custom processors
     (jaxdecode/device/research.py), recorded only when there are some."""
     prompt = {"ids": list(prompt_ids), "text": prompt_text,
@@ -142,7 +144,7 @@ def build_record(*, model_hash: str, model_config: Any, model_source: Optional[s
         "format": RECORD_FORMAT,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "processor_order": PROCESSOR_ORDER,
-        "model": {"hash": model_hash, "source": model_source,
+        "model": {"hash": model_hash, "source": model_source, "quantization": quantization,
                   "class": type(model_config).__name__, "config": repr(model_config)},
         "tokenizer": {"hash": tokenizer_hash_},
         "prompt": prompt,
@@ -210,6 +212,10 @@ def environment_differences(record: GenerationRecord, llm: Any) -> list:
             out.append(f"{key}: recorded {was!r}, now {now.get(key)!r}")
     if record.data["model"]["hash"] != llm.params_hash:
         out.append("model: weights differ from the recorded snapshot hash")
+    was_q, now_q = record.data["model"].get("quantization"), params_quantization(llm.params)
+    if was_q != now_q:
+        out.append(f"quantization: recorded {was_q!r}, now {now_q!r} (load the model with "
+                   "quantization= as recorded)")
     if record.data["tokenizer"]["hash"] != llm.tokenizer_hash:
         out.append("tokenizer: differs from the recorded snapshot hash")
     was, now = (record.data.get("batch_invariance") or {},

@@ -81,7 +81,7 @@ class Gemma(L.CachedDecoder):
                       else L.rope_inv_freq(c.head_dim, c.rope_local_theta, None))
         scale = c.query_pre_attn_scalar ** -0.5
         embed = params["embed"]
-        x = embed[tokens] * jnp.asarray(math.sqrt(c.hidden_size), embed.dtype)
+        x = L.embed_rows(embed, tokens) * jnp.asarray(math.sqrt(c.hidden_size), embed.dtype)
         if hook is not None:  # hook points (model_api.hook_points)
             x = hook("embed", x)
         for i, p in enumerate(params["layers"]):

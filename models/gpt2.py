@@ -97,7 +97,8 @@ class GPT2(L.CachedDecoder):
         act = ACTIVATIONS[c.activation]
         eps = c.layer_norm_eps
         # Padding may carry any position; clip so the lookup stays in the table.
-        x = params["embed"][tokens] + jnp.take(params["pos_embed"], positions, axis=0, mode="clip")
+        x = (L.embed_rows(params["embed"], tokens)
+             + jnp.take(params["pos_embed"], positions, axis=0, mode="clip"))
         if hook is not None:  # hook points (model_api.hook_points)
             x = hook("embed", x)
         for i, p in enumerate(params["layers"]):

@@ -25,6 +25,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from models import layers as L
+from models import quantization as quantize
 from models.gemma import Gemma, GemmaConfig
 from models.gpt2 import ACTIVATIONS, GPT2, GPT2Config
 from models.llama import Llama, LlamaConfig
@@ -53,13 +54,15 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 
 # -- public entry point ---------------------------------------------------------------------------
 
-def load(path: str | os.PathLike, dtype: Any = None):
+def load(path: str | os.PathLike, dtype: Any = None, quantization: Optional[str] = None):
     """Load `path` (a local HF checkpoint directory) as `(model, params, tokenizer)`.
 
     dtype=None keeps each tensor's checkpoint dtype; otherwise floating tensors are cast to it.
-    The tokenizer is a `transformers` tokenizer loaded from local files only, or None when the
-    directory holds no tokenizer files.
+    `quantization` "int8": int8 linear weights, quantized one by one on the way to the device
+    (models/quantization.py, contract §12); None: float. The tokenizer is a `transformers`
+    tokenizer loaded from local files only, or None when the directory holds no tokenizer files.
     """
+    quantize.check(quantization)
     root = Path(path).expanduser()
     if not root.is_dir():
         raise CheckpointError(f"{root}: not a checkpoint directory")
@@ -79,6 +82,7 @@ def load(path: str | os.PathLike, dtype: Any = None):
         else:
             model = Llama(_llama_config(config, config_file, family, eos))
             params = _llama_params(model.config, tensors, dtype)
+    params = quantize.to_device(params, quantization, model.config.tie_word_embeddings)
     return model, params, _load_tokenizer(root)
 
 
@@ -412,10 +416,11 @@ class _TensorIndex:
                                   f"cannot be read with numpy ({type(e).__name__}: {e})") from e
 
 
-def _to_jax(a: np.ndarray, dtype: Any) -> jnp.ndarray:
+def _host(a: np.ndarray, dtype: Any) -> np.ndarray:
+    """A tensor on the host, cast to `dtype`; `quantize.to_device` places the tree."""
     if dtype is not None and jnp.issubdtype(a.dtype, jnp.floating):
         a = a.astype(jnp.dtype(dtype))
-    return jnp.asarray(np.ascontiguousarray(a))
+    return np.ascontiguousarray(a)
 
 
 def _llama_params(c: LlamaConfig, t: _TensorIndex, dtype) -> dict:
@@ -426,12 +431,12 @@ def _llama_params(c: LlamaConfig, t: _TensorIndex, dtype) -> dict:
 
     def get(name, shape, transpose=False):
         a = t.get(name, shape)
-        return _to_jax(a.T if transpose else a, dtype)
+        return _host(a.T if transpose else a, dtype)
 
     def split(name, shape, sizes):
         a = t.get(name, shape)
         cuts = np.cumsum(sizes)[:-1]
-        return [_to_jax(part.T, dtype) for part in np.split(a, cuts, axis=0)]
+        return [_host(part.T, dtype) for part in np.split(a, cuts, axis=0)]
 
     layers = []
     for i in range(c.num_layers):
@@ -487,7 +492,7 @@ def _gemma_params(c: GemmaConfig, t: _TensorIndex, dtype) -> dict:
 
     def get(name, shape, transpose=False):
         a = t.get(name, shape)
-        return _to_jax(a.T if transpose else a, dtype)
+        return _host(a.T if transpose else a, dtype)
 
     layers = []
     for i in range(c.num_layers):
@@ -519,7 +524,7 @@ def _gpt2_params(c: GPT2Config, t: _TensorIndex, dtype) -> dict:
         return t.get(pre + name, shape)
 
     def jx(a):
-        return _to_jax(a, dtype)
+        return _host(a, dtype)
 
     layers = []
     for i in range(c.num_layers):

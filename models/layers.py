@@ -2,10 +2,11 @@
 shared `CachedDecoder`.
 
 Batch invariance (docs/batch_invariance.md, X1) is built in `jaxdecode.invariance`: the weight
-products (`dense` on the call's `Tiles`), attention on fixed key blocks and `fixed_sum`s, and
-XLA's plain ones for a model without invariance (`with_invariance("none")`); this module
-re-exports the pieces the families call. A family passes its call's `tile` (a `Tiles`, or None
-for plain numerics: `logits()` and the fast path) to every product and norm.
+products (`dense` on the call's `Tiles`, float or int8 weights: models/quantization.py),
+attention on fixed key blocks and `fixed_sum`s, and XLA's plain ones for a model without
+invariance (`with_invariance("none")`); this module re-exports the pieces the families call. A
+family passes its call's `tile` (a `Tiles`, or None for plain numerics: `logits()` and the fast
+path) to every product and norm.
 """
 
 from __future__ import annotations
@@ -19,12 +20,21 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdecode import invariance
-from jaxdecode.invariance import (  # noqa: F401 -- the families' products and attention
-    ATTN_BLOCK, ROW_TILE, Tiles, attention, dense, soft_cap)
+from jaxdecode.invariance import (  # noqa: F401 -- the families' attention
+    ATTN_BLOCK, ROW_TILE, Tiles, attention, soft_cap)
 from jaxdecode.model_api import KVCache
-from models import paged_attention
+from models import paged_attention, quantization
+from models.quantization import embed_rows  # noqa: F401 -- the families' embedding lookup
 
 Array = jax.Array
+
+
+def dense(x: Array, w: Any, tile: Optional[Tiles] = None, *, transpose: bool = False,
+          out_dtype: Any = None) -> Array:
+    """`invariance.dense` for a float weight or an int8 `qwix.QArray` (models/quantization.py,
+    contract §12): the same row tiles around the quantized weight's product."""
+    return invariance.dense(x, w, tile, transpose=transpose, out_dtype=out_dtype,
+                            dot=quantization.weight_product(w))
 
 
 def rms_norm(x: Array, weight: Array, eps: float, tile: Optional[Tiles] = None) -> Array:

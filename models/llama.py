@@ -67,7 +67,7 @@ class Llama(L.CachedDecoder):
         b, t = tokens.shape
         inv_freq = L.rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling_dict)
         rope_scale = L.rope_attention_factor(c.rope_scaling_dict)
-        x = params["embed"][tokens]
+        x = L.embed_rows(params["embed"], tokens)
         if hook is not None:  # hook points (model_api.hook_points)
             x = hook("embed", x)
         for i, p in enumerate(params["layers"]):

@@ -49,8 +49,14 @@ PARAM_RULES: tuple = (
 RULES: tuple = PARAM_RULES + CACHE_RULES
 
 
+# The arrays of an int8 weight (`qwix.QArray`, models/quantization.py): each takes its
+# weight's rule (a scale's axis of 1 is left whole by `fit_spec`).
+QARRAY_FIELDS = ("qvalue", "scale")
+
+
 def key_path(path: Sequence[Any]) -> str:
-    """'layers/0/q' for the jax key path of a leaf."""
+    """'layers/0/q' for the jax key path of a leaf (also of an int8 weight's values or
+    scales)."""
     parts = []
     for k in path:
         for attr in ("key", "idx", "name"):
@@ -59,6 +65,8 @@ def key_path(path: Sequence[Any]) -> str:
                 break
         else:
             parts.append(str(k))
+    if len(parts) > 1 and parts[-1] in QARRAY_FIELDS:
+        parts.pop()
     return "/".join(parts)
 
 

@@ -14,15 +14,21 @@ import os
 from typing import Any, Optional
 
 
-def load_model(spec: str, dtype: Optional[str] = None):
-    """(model, params, tokenizer) from "demo" or a local Hugging Face directory."""
+def load_model(spec: str, dtype: Optional[str] = None, quantization: Optional[str] = None):
+    """(model, params, tokenizer) from "demo" or a local Hugging Face directory, with int8
+    weights for `quantization` "int8" (contract §12, weight quantization)."""
     import models
 
-    if spec == "demo":
-        return models.demo()
-    if not os.path.isdir(spec):
-        raise SystemExit(f"--model: {spec!r} is neither 'demo' nor a checkpoint directory")
-    return models.load(spec, dtype=dtype)
+    try:
+        if spec == "demo":
+            return models.demo(quantization=quantization)
+        if not os.path.isdir(spec):
+            raise SystemExit(f"--model: {spec!r} is neither 'demo' nor a checkpoint directory")
+        return models.load(spec, dtype=dtype, quantization=quantization)
+    except ValueError as e:
+        if str(e).startswith("quantization:"):
+            raise SystemExit(f"--quantization: {e}")
+        raise
 
 
 # the engine's `speculative=` fields (SpeculativeConfig.parse errors) -> the flags setting them
@@ -89,6 +95,13 @@ def add_batch_invariance_argument(p: Any) -> None:
                    help="XLA's plain products, reductions and attention: faster, but a row's "
                         "tokens may then depend on the batch it runs in (records say so, and "
                         "replay of such a record warns when it diverges)")
+
+
+def add_quantization_argument(p: Any) -> None:
+    """`generate`, `serve` and `bench`: int8 weights (contract §12, weight quantization)."""
+    p.add_argument("--quantization", default=None, choices=("int8",),
+                   help="load the weights as int8 with a scale per output channel (weight-only; "
+                        "products dequantize in the step; records pin it, replay rebuilds it)")
 
 
 def add_speculative_arguments(p: Any) -> None:

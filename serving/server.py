@@ -178,7 +178,7 @@ def main(args: Any) -> int:
 
         from serving import distributed as dist
         dist.initialize(args)  # before anything touches a device
-    model, params, tokenizer = load_model(args.model)
+    model, params, tokenizer = load_model(args.model, quantization=args.quantization)
     if tokenizer is None:
         raise SystemExit(f"--model: {args.model!r} has no tokenizer files; the server needs one")
     speculative, spec_setting = speculative_from_args(args, model, tokenizer)
@@ -232,7 +232,8 @@ def positive_int(text: str) -> int:
 def add_arguments(p: Any) -> None:
     """The server's flags, speculative decoding's included: `jaxdecode serve` and
     `python -m serving` (serving/__main__.py) take the same."""
-    from serving.loading import add_batch_invariance_argument, add_speculative_arguments
+    from serving.loading import (add_batch_invariance_argument, add_quantization_argument,
+                                 add_speculative_arguments)
 
     p.add_argument("--model", default="demo", help="a local HF checkpoint directory, or 'demo'")
     _add_http_arguments(p)
@@ -242,6 +243,7 @@ def add_arguments(p: Any) -> None:
                    choices=("debug", "info", "warning", "error"))
     add_speculative_arguments(p)
     add_batch_invariance_argument(p)
+    add_quantization_argument(p)
 
 
 def _add_engine_arguments(p: Any) -> None:

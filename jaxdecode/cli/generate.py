@@ -8,8 +8,9 @@ import json
 import sys
 import time
 
-from serving.loading import (add_batch_invariance_argument, add_speculative_arguments, flag_error,
-                             load_model, speculative_from_args)
+from serving.loading import (add_batch_invariance_argument, add_quantization_argument,
+                             add_speculative_arguments, flag_error, load_model,
+                             speculative_from_args)
 
 
 def sampling_from_args(args):
@@ -42,7 +43,7 @@ def cmd_generate(args) -> int:
     if args.speculative is not None and args.record:
         raise SystemExit("--record: not with --speculative (a record does not pin the "
                          "speculative setting, so replay would run a plain engine)")
-    model, params, tokenizer = load_model(args.model)
+    model, params, tokenizer = load_model(args.model, quantization=args.quantization)
     speculative, _ = speculative_from_args(args, model, tokenizer)
     prompt_ids = encode(tokenizer, prompt)
     if args.num_beams > 1:
@@ -145,4 +146,5 @@ def add_parser(sub) -> None:
     g.add_argument("--record", help="write the generation record (contract §11) to this JSON file")
     add_speculative_arguments(g)
     add_batch_invariance_argument(g)
+    add_quantization_argument(g)
     g.set_defaults(func=cmd_generate)

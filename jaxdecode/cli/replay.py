@@ -17,7 +17,8 @@ def cmd_replay(args) -> int:
     spec = args.model or record.data["model"].get("source")
     if not spec:
         raise SystemExit("--model: the record names no model source; pass --model DIR|demo")
-    model, params, tokenizer = load_model(spec)
+    model, params, tokenizer = load_model(spec,
+                                          quantization=record.data["model"].get("quantization"))
     layout = record.data["layout"]
     pinned = record.data.get("batch_invariance") or {}
     with LLM(model, params, tokenizer, max_slots=layout["max_slots"], max_len=layout["max_len"],

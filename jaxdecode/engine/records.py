@@ -25,6 +25,7 @@ import orbax.checkpoint as ocp
 from jaxdecode import replay as replay_lib
 from jaxdecode.device import decode, numerics
 from jaxdecode.engine.request import Request
+from jaxdecode.model_api import params_quantization
 from jaxdecode.types import ErrorCode, FinishReason, TokenLogprob
 
 FORMAT = "jaxdecode.request/1"
@@ -99,7 +100,8 @@ class Records:
             detokenizer_mode=r.pipeline.detokenizer.mode, token_ids=r.token_ids,
             text=r.pipeline.text, finish_reason=finish.value if finish else None,
             error=error.value if error else None, usage=dataclasses.asdict(r.usage()),
-            processors=self.processor_order)
+            processors=self.processor_order,
+            quantization=params_quantization(self.params))
 
 
 def row_arrays(state: Any, r: Request, placed: Any, grammar_offset: int = 0) -> dict:

@@ -38,11 +38,12 @@ def load_config(kind: str = "main", directory: Optional[str] = None) -> dict:
 
 
 def _unflatten(flat: dict, num_layers: int, dtype: Any) -> dict:
-    import jax.numpy as jnp
+    """The nested parameter tree of host arrays cast to `dtype`."""
+    import numpy as np
 
     params: dict = {"layers": [dict() for _ in range(num_layers)]}
     for name, arr in flat.items():
-        value = jnp.asarray(arr, dtype)
+        value = np.asarray(arr, dtype)
         if name.startswith("layers."):
             _, i, leaf = name.split(".", 2)
             params["layers"][int(i)][leaf] = value
@@ -51,12 +52,17 @@ def _unflatten(flat: dict, num_layers: int, dtype: Any) -> dict:
     return params
 
 
-def load(kind: str = "main", directory: Optional[str] = None, dtype: Any = None):
+def load(kind: str = "main", directory: Optional[str] = None, dtype: Any = None,
+         quantization: Optional[str] = None):
     """Returns `(model, params, tokenizer)` for the shipped `kind` ("main" or "draft").
 
     The model is a `models.llama.Llama` whose `eos_token_ids` is the tokenizer's `<|endoftext|>`.
     `directory` defaults to this package's folder (a training run's `--out` also works).
+    `quantization` "int8": int8 linear weights and head (models/quantization.py, contract §12).
     """
+    from models import quantization as quantize
+
+    quantize.check(quantization)
     import dataclasses
 
     import jax.numpy as jnp
@@ -77,5 +83,6 @@ def load(kind: str = "main", directory: Optional[str] = None, dtype: Any = None)
     config = LlamaConfig(**kwargs)
     flat = load_file(os.path.join(directory, f"{kind}.safetensors"))
     params = _unflatten(flat, config.num_layers, dtype or jnp.float32)
+    params = quantize.to_device(params, quantization, config.tie_word_embeddings)
     return Llama(config), params, tokenizer
 

@@ -13,7 +13,7 @@ from jaxdecode.cli.bench import host, paged, report as report_mod, research, sea
 from jaxdecode.cli.bench import throughput
 from jaxdecode.cli.bench.configs import BENCH_CONFIGS, bench_model, hf_comparable, host_model
 from jaxdecode.cli.bench.timing import BenchConfig
-from serving.loading import add_batch_invariance_argument
+from serving.loading import add_batch_invariance_argument, add_quantization_argument
 
 
 def add_parser(sub) -> None:
@@ -32,6 +32,7 @@ def bench_arguments(b) -> None:
                    help="rows per weight-product tile of the model (default: the model's, 4; "
                         "docs/batch_invariance.md \"Row tiles as a setting\")")
     add_batch_invariance_argument(b)
+    add_quantization_argument(b)
     b.add_argument("--invariance-tax", action="store_true",
                    help="also time the fast path (--no-batch-invariant's model) beside the "
                         "batch-invariant one, per batch size: the invariance tax")
@@ -60,6 +61,10 @@ def bench_arguments(b) -> None:
                    help="every section (HF side by side, time to first token, host cost, "
                         "engine): report.json, report.md and PNG plots in DIR")
     b.add_argument("--quick", action="store_true", help="a smoke run in well under 2 minutes")
+    b.add_argument("--quality", action="store_true",
+                   help="held-out loss of the demo model with float and int8 weights, and "
+                        "first greedy token agreement over 16 prompts (a section on its own; "
+                        "with --quick on the first 4096 held-out tokens)")
     b.add_argument("--device-check", action="store_true",
                    help="instead: the accelerator check (decode at batch 1/16/64 with and without "
                         "batch invariance beside HF, the Pallas kernels against the XLA path, "
@@ -99,6 +104,8 @@ def check_bench_mode(args) -> None:
     elif args.serve:
         allowed, why = load_flags | {"model", "json", "serve"}, ("not used by the HTTP load "
                                                                  "test (bench --serve)")
+    elif args.quality:
+        allowed, why = {"quality", "quick", "json"}, "not used by --quality (the demo model)"
     else:
         allowed, why = set(defaults) - load_flags, "load-test flags; add --serve"
     bad = sorted(n for n in defaults if n not in allowed and getattr(args, n) != defaults[n])
@@ -115,6 +122,23 @@ def _device_check(args) -> int:
     print(devicecheck.format_report(report))
     print(f"wrote {os.path.join(args.out, 'report.md')}")
     return 0 if all(s["status"] == "ok" for s in report["sections"].values()) else 1
+
+
+def _quality(args) -> int:
+    """`--quality [--quick] [--json FILE]`: float against int8 weights on the demo model."""
+    from jaxdecode.cli.bench import quality
+
+    report = quality.run(args.quick)
+    print(quality.format_quality(report))
+    _write_json(args.json, report)
+    return 0
+
+
+def _write_json(path, report: dict) -> None:
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(report, f, indent=2, default=str)
 
 
 def _settle(args) -> None:
@@ -152,7 +176,7 @@ def _decode_sections(args, cfg: BenchConfig) -> tuple[dict, list]:
 
     progress = lambda row: print(json.dumps(row), file=sys.stderr)  # noqa: E731
     with tempfile.TemporaryDirectory() as workdir:
-        model, params, hf = bench_model(args.model, args.compare_hf, workdir)
+        model, params, hf = bench_model(args.model, args.compare_hf, workdir, args.quantization)
         fast = row_tiled(model, args.row_tile, False) if args.invariance_tax else None
         model = row_tiled(model, args.row_tile, args.batch_invariant)
         report = throughput.run(model, params, cfg, hf_model=hf, hf_threads=args.hf_threads,
@@ -200,7 +224,7 @@ def _host_sections(args, cfg: BenchConfig, report: dict, text: list) -> None:
 
     from jaxdecode.engine.config import row_tiled
 
-    model, params, tokenizer, spec = host_model(args.model)
+    model, params, tokenizer, spec = host_model(args.model, args.quantization)
     model = row_tiled(model, args.row_tile, args.batch_invariant)
     if args.host_cost:
         with open(os.path.join(sysconfig.get_paths()["stdlib"], "json", "decoder.py"),
@@ -237,6 +261,8 @@ def cmd_bench(args) -> int:
     check_bench_mode(args)
     if args.device_check:
         return _device_check(args)
+    if args.quality:
+        return _quality(args)
     if args.serve:
         from jaxdecode.cli.bench import loadtest
 
@@ -262,8 +288,5 @@ def cmd_bench(args) -> int:
     if args.report:
         for path in report_mod.write_report(report, args.report):
             print(f"wrote {path}")
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2, default=str)
+    _write_json(args.json, report)
     return 0

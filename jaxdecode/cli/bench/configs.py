@@ -3,6 +3,8 @@ or a checkpoint, with the same weights in HF PyTorch for `--compare-hf`."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 from serving.loading import load_model
 
 # Named random-weight configurations for `bench --model CONFIG`: HF config keywords (of
@@ -67,8 +69,9 @@ def _hf_model(name: str):
         transformers.AutoConfig.for_model(model_type, **c), attn_implementation="eager")
 
 
-def bench_model(spec: str, compare_hf: bool, workdir: str):
-    """(model, params, hf_model or None) on the same weights."""
+def bench_model(spec: str, compare_hf: bool, workdir: str, quantization: Optional[str] = None):
+    """(model, params, hf_model or None) on the same weights (int8 in jaxdecode with
+    `quantization` "int8"; HF keeps the float ones)."""
     import models
 
     if spec in BENCH_CONFIGS:
@@ -78,7 +81,9 @@ def bench_model(spec: str, compare_hf: bool, workdir: str):
 
             model = named_model(spec)
             dtype = jax.numpy.bfloat16 if bf16 else jax.numpy.float32
-            return model, model.init_params(jax.random.key(0), dtype=dtype), None
+            params = model.init_params(jax.random.key(0), dtype=dtype)
+            return model, models.quantize_params(params, quantization,
+                                                 model.config.tie_word_embeddings), None
         import torch
 
         torch.manual_seed(0)
@@ -86,9 +91,9 @@ def bench_model(spec: str, compare_hf: bool, workdir: str):
             hf = _hf_model(spec)
         hf = hf.to(torch.bfloat16 if bf16 else torch.float32).eval()
         hf.save_pretrained(workdir, safe_serialization=True)
-        model, params, _ = models.load(workdir)
+        model, params, _ = models.load(workdir, quantization=quantization)
         return model, params, hf
-    model, params, _ = load_model(spec)
+    model, params, _ = load_model(spec, quantization=quantization)
     hf = None
     if compare_hf:
         if spec == "demo":
@@ -120,19 +125,22 @@ def hf_comparable() -> bool:
         return jax.default_backend() == "cpu"
 
 
-def host_model(spec: str):
+def host_model(spec: str, quantization: Optional[str] = None):
     """(model, params, tokenizer, label) for the host-side sections, which need a real
     tokenizer: the checkpoint's, else the demo model's; a named config is rebuilt with the demo
     tokenizer's vocabulary (same shapes otherwise)."""
     import os
 
+    import models
+
     label = spec if os.path.isdir(spec) else "demo"
-    model, params, tokenizer = load_model(label)
+    model, params, tokenizer = load_model(label, quantization=quantization)
     if spec in BENCH_CONFIGS:
         import jax
 
         model = named_model(spec, vocab_size=model.config.vocab_size,
                             eos_token_ids=model.config.eos_token_ids)
-        params = model.init_params(jax.random.key(0))
+        params = models.quantize_params(model.init_params(jax.random.key(0)), quantization,
+                                        model.config.tie_word_embeddings)
         label = f"{spec}, vocab {model.config.vocab_size}"
     return model, params, tokenizer, label

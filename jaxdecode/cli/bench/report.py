@@ -20,7 +20,8 @@ def format_table(report: dict) -> str:
              f"{report['roofline_step_ms']:.2f} ms",
              *([f"weights: jaxdecode {report['dtype']}; HF torch {report['hf']['torch']} on "
                 f"{report['hf']['device']}, {report['hf']['dtype']}"] if "hf" in report else []),
-             f"batch invariance: {report.get('batch_invariance', '?')}",
+             f"batch invariance: {report.get('batch_invariance', '?')}; weights: "
+             f"{report.get('quantization') or 'float'}",
              "| batch | jaxdecode tok/s | step ms | HF tok/s | ratio |" + fast[0],
              "|---:|---:|---:|---:|---:|" + fast[1]]
     for row in report["rows"]:

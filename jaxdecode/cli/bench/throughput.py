@@ -15,6 +15,7 @@ from jaxdecode.cli.bench.timing import (BenchConfig, gemv_bandwidth, machine, me
                                         step_bytes)
 from jaxdecode.config import SamplingParams
 from jaxdecode.device.decode import compilation_count, generate
+from jaxdecode.model_api import params_quantization
 
 
 def time_jaxdecode(model, params, batch: int, cfg: BenchConfig) -> dict:
@@ -84,6 +85,7 @@ def run(model, params, cfg: BenchConfig, hf_model=None, hf_threads: Optional[int
     report["gemv_bandwidth_gb_s"] = bw / 1e9
     report["roofline_step_ms"] = report["step_bytes"] / bw * 1e3
     report["dtype"] = str(jax.tree.leaves(params)[0].dtype)
+    report["quantization"] = params_quantization(params)
     report["batch_invariance"] = invariance.mode_of(model)
     if hf_model is not None:
         report["hf"] = hf_setup(hf_model)
