@@ -25,18 +25,21 @@ def sampling_from_args(args):
         raise flag_error(e)
 
 
+def _prompt(args) -> str:
+    if args.prompt_file:
+        with open(args.prompt_file, encoding="utf-8") as f:
+            return f.read()
+    if args.prompt is not None:
+        return args.prompt
+    raise SystemExit("--prompt or --prompt-file is required")
+
+
 def cmd_generate(args) -> int:
     from jaxdecode.device.decode import bucket
     from jaxdecode.engine import LLM
     from jaxdecode.tokenization import encode
 
-    if args.prompt_file:
-        with open(args.prompt_file, encoding="utf-8") as f:
-            prompt = f.read()
-    elif args.prompt is not None:
-        prompt = args.prompt
-    else:
-        raise SystemExit("--prompt or --prompt-file is required")
+    prompt = _prompt(args)
     sp = sampling_from_args(args)
     if args.speculative is not None and args.num_beams > 1:
         raise SystemExit("--speculative: not with --num-beams (beam search runs its own lane)")
@@ -71,6 +74,12 @@ def cmd_generate(args) -> int:
     elapsed = time.perf_counter() - t0
     if args.record:
         done.record.save(args.record)
+    _print_result(args, done, stream, elapsed, first_delta_s, spec_stats)
+    return 0 if done.error is None else 1
+
+
+def _print_result(args, done, stream: bool, elapsed: float, first_delta_s, spec_stats) -> None:
+    """The JSON result (--json), the text (--no-stream), or the streamed text's status line."""
     if args.json:
         print(json.dumps({"text": done.text, "token_ids": list(done.token_ids),
                           "finish_reason": done.finish_reason and done.finish_reason.value,
@@ -88,7 +97,6 @@ def cmd_generate(args) -> int:
                     if spec_stats else "")
         print(f"[{status}; {done.usage.selected_tokens} tokens in {elapsed:.2f}s, "
               f"first text after {first_delta_s or 0:.2f}s{accepted}]", file=sys.stderr)
-    return 0 if done.error is None else 1
 
 
 def _generate_beams(args, model, params, tokenizer, prompt, prompt_ids, sp) -> int:

@@ -243,7 +243,8 @@ class OrderedStream:
     def cancel(self, usage: Optional[Usage] = None, **data: Any) -> Optional[Event]:
         return self.terminate("cancelled", usage=usage, **data)
 
-    def fail(self, error: Any, usage: Optional[Usage] = None, message: str = "", **data: Any) -> Optional[Event]:
+    def fail(self, error: Any, usage: Optional[Usage] = None, message: str = "",
+             **data: Any) -> Optional[Event]:
         return self.terminate("failed", error=error, usage=usage, message=message, **data)
 
     def terminate(self, kind: str, **data: Any) -> Optional[Event]:
@@ -290,13 +291,8 @@ class OrderedStream:
     def overflowed(self) -> bool:
         return self._overflowed
 
-    @property
-    def lost_deltas(self) -> int:
-        return self._lost
-
-    @property
-    def dropped_after_terminal(self) -> int:
-        return self._dropped_after_terminal
+    lost_deltas = property(lambda self: self._lost)
+    dropped_after_terminal = property(lambda self: self._dropped_after_terminal)
 
     @property
     def next_seq(self) -> int:
@@ -381,8 +377,7 @@ class OrderedStream:
             if ev.kind in TERMINAL_KINDS:
                 return
 
-    def __iter__(self) -> Iterator[Event]:
-        return self.iter(None)
+    __iter__ = iter
 
     def events_after(self, seq: int) -> List[Event]:
         """The kept events with a seq greater than `seq` (T4); does not move the cursor."""
