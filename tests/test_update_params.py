@@ -112,3 +112,5 @@ def test_update_params_R4_bad_trees_are_refused_and_the_engine_serves_on(demo):
                 llm.update_params(bad)
         assert serve(llm) == before and llm.params_hash == hash_before
         assert llm.health()["status"] == "ok"
+    with pytest.raises(jd.EngineClosed):
+        llm.update_params(new)

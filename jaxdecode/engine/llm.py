@@ -218,8 +218,9 @@ class LLM:
         types and shardings (else a ValueError naming `params`, and the engine keeps its
         weights). Requests queued or running finish on the old weights (this call waits for
         them, up to `timeout`; submissions made meanwhile wait and run on the new ones); the
-        prefix cache is forgotten, and records name the weights each request ran on.
-        `params_hash`: the new weights' content hash when the caller knows it."""
+        prefix cache is forgotten, and records name the weights each request ran on. A
+        speculative draft keeps its own weights. `params_hash`: the new weights' content hash
+        when the caller knows it."""
         if self.step_hook is not None:
             raise ValueError("params: update_params is not supported with a step hook (the "
                              "followers of serve --distributed hold their own weights)")

@@ -22,6 +22,8 @@ from typing import Any, Optional
 import jax
 import numpy as np
 
+from jaxdecode.engine.scheduler import EngineClosed
+
 
 def committed(params: Any, like: Any = None) -> Any:
     """`params` with every jax array committed to its placement (to `like`'s leaf's sharding
@@ -63,12 +65,16 @@ def swap(llm: Any, params: Any, params_hash: Optional[str], timeout: float) -> N
     params = committed(params, llm.params)
     deadline = time.monotonic() + timeout
     with scheduler.cond:
+        if scheduler.closed:
+            raise EngineClosed("the engine is closed")
         if scheduler.holding:
             raise ValueError("params: another update_params is in progress")
         scheduler.holding = True
     try:
         with scheduler.cond:
             while not scheduler.idle():
+                if scheduler.closed:
+                    raise EngineClosed("the engine is closed")
                 if time.monotonic() > deadline:
                     raise TimeoutError("params: requests still running after timeout; the "
                                        "engine keeps its weights")
