@@ -102,6 +102,9 @@ def test_score_R2_gradients_are_finite_and_match_finite_differences():
         return jnp.sum(jnp.where(mask, logprobs, 0.0) * jnp.arange(1.0, 1.0 + mask.shape[1]))
 
     value, grad = jax.jit(jax.value_and_grad(loss))(params)
+    plain = jd.score(model, params, prompts, completions, batch_invariant=False)
+    for a, b in zip(plain, jd.score(model, params, prompts, completions)):
+        np.testing.assert_allclose(a, b, rtol=0, atol=TOLERANCE)
     assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grad))
     assert value == pytest.approx(float(loss(params)), abs=1e-4)
     leaves, tree = jax.tree.flatten(params)
