@@ -11,6 +11,7 @@ from jaxdecode.device.processors import PROCESSOR_ORDER, process_logits
 from jaxdecode.replay import GenerationRecord, ReplayReport, replay
 from jaxdecode.device.research import LogitProcessor, ProcessorContext
 from jaxdecode.device.speculative import SpeculativeOutput, speculative_generate
+from jaxdecode.scoring import score, score_padded
 from jaxdecode.device.state import StepState
 from jaxdecode.types import (Completion, DecodingError, ErrorCode, Event, FinishReason,
                              RequestState, TokenLogprob, Usage)
@@ -22,5 +23,5 @@ __all__ = [
     "ReplayReport", "RequestHandle", "RequestState", "SamplingParams", "SpeculativeOutput",
     "StepState", "TokenLogprob", "Usage", "ablate", "assert_incremental_consistency",
     "beam_search", "capture_activations", "compilation_count", "generate", "process_logits",
-    "replay", "speculative_generate", "steer",
+    "replay", "score", "score_padded", "speculative_generate", "steer",
 ]

@@ -257,10 +257,19 @@ def divergence_details(llm: Any, record: GenerationRecord, step: int, actual: li
     return {"recorded": info(expected), "replayed": info(got)}
 
 
-def replay(record: GenerationRecord, llm: Any) -> ReplayReport:
-    """Re-run `record` on `llm` and compare (docs/architecture.md `jd.replay`)."""
+def replay(record: GenerationRecord, llm: Any, *,
+           allow_params_mismatch: bool = False) -> ReplayReport:
+    """Re-run `record` on `llm` and compare (docs/architecture.md `jd.replay`). A record made
+    with other weights than the engine holds (its `model.hash`, the weights the request ran on:
+    contract R4) is refused with a ValueError naming `record`, unless `allow_params_mismatch`
+    (then the difference is listed in `environment_differences`)."""
     if isinstance(record, (str, bytes)):
         record = GenerationRecord.from_json(record)
+    if not allow_params_mismatch and record.data["model"]["hash"] != llm.params_hash:
+        raise ValueError(f"record: made with weights {record.data['model']['hash'][:16]}, the "
+                         f"engine holds {llm.params_hash[:16]} (a replay would compare other "
+                         "weights' tokens; replay(..., allow_params_mismatch=True) runs it "
+                         "anyway)")
     env = environment_differences(record, llm)
     completion = llm.run_record(record)
     expected, actual = record.token_ids, list(completion.token_ids)

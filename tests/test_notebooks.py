@@ -23,7 +23,7 @@ NOTEBOOK_DIR = ROOT / "notebooks"
 EXPECTED = [
     "01_quickstart", "02_logit_processors", "03_beam_vs_sampling", "04_speculative",
     "05_structured_output", "06_replay", "07_consistency", "08_watermark",
-    "09_guidance_and_steering",
+    "09_guidance_and_steering", "10_grpo",
 ]
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
 TIMEOUT_S = 300  # per cell; each notebook takes well under a minute on a CPU

@@ -78,7 +78,8 @@ def test_row_tile_X11_record_pins_the_tile_and_replay_names_another(demo, wide, 
     from jaxdecode.cli.replay import cmd_replay
     path = tmp_path / "record.json"
     record.save(str(path))
-    assert cmd_replay(argparse.Namespace(file=str(path), model="demo")) == 0
+    assert cmd_replay(argparse.Namespace(file=str(path), model="demo",
+                                         allow_params_mismatch=False)) == 0
 
 
 def test_row_tile_the_draft_of_a_speculative_engine_gets_the_tile(demo):

@@ -24,7 +24,10 @@ def cmd_replay(args) -> int:
     with LLM(model, params, tokenizer, max_slots=layout["max_slots"], max_len=layout["max_len"],
              model_source=spec, row_tile=pinned.get("row_tile"),
              batch_invariant=pinned.get("mode") != "none") as llm:
-        report = replay(record, llm)
+        try:
+            report = replay(record, llm, allow_params_mismatch=args.allow_params_mismatch)
+        except ValueError as e:
+            raise SystemExit(f"replay: {e}")
     print(report.describe())
     return 0 if report.identical else 1
 
@@ -33,4 +36,6 @@ def add_parser(sub) -> None:
     r = sub.add_parser("replay", help="re-run a generation record; exit 1 on a divergence")
     r.add_argument("file")
     r.add_argument("--model", help="DIR or demo (default: the source named in the record)")
+    r.add_argument("--allow-params-mismatch", action="store_true",
+                   help="replay a record made with other weights (refused by default)")
     r.set_defaults(func=cmd_replay)

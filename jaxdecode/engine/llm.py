@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 from jaxdecode import replay as replay_lib
 from jaxdecode.config import MAX_LOGPROBS, SamplingParams
 from jaxdecode.device import constraints, research
-from jaxdecode.engine import admission, records, runner, samples
+from jaxdecode.engine import admission, records, runner, samples, weights
 from jaxdecode.engine import config as engine_config
 from jaxdecode.engine.config import EngineConfig
 from jaxdecode.engine.core import EngineCore
@@ -62,6 +62,7 @@ class LLM:
             raise ValueError(f"config: given together with {sorted(settings)[0]}= (pass one)")
         cfg = self.config = config if config is not None else EngineConfig(**settings)
         model = cfg.for_model(model)
+        params = weights.committed(params)  # update_params' trees compile alike (weights.py)
         self.model, self.params, self.tokenizer = model, params, tokenizer
         self.max_slots, self.max_len, self.max_queue = cfg.max_slots, cfg.max_len, cfg.max_queue
         self.limits = admission.EngineLimits(cfg.max_len, cfg.max_slots, model.config.max_len,
@@ -107,6 +108,7 @@ class LLM:
     def _enqueue(self, reqs: list, block: bool) -> None:
         def queued(r: Request) -> None:
             r.lifecycle.transition(RequestState.QUEUED)
+            r.params_hash = self.params_hash  # the weights it runs on (R4, engine/weights.py)
             r.lifecycle.emit_start(self.model_snapshot)
 
         self._core.ensure_thread()
@@ -208,6 +210,22 @@ class LLM:
         (`runner.warmup_shapes`). Returns the compilations. With a step hook, call it
         before the first request (the op must not interleave with the engine thread's)."""
         return self._core.runner.warmup(max_prompt_len, self.logprobs_k, self.kv.chunk)
+
+    def update_params(self, params: Any, *, params_hash: Optional[str] = None,
+                      timeout: float = 600.0) -> None:
+        """Swap the engine's weights between steps, without a restart or a recompile (contract
+        R4, engine/weights.py): `params` must match the current tree, shapes, dtypes, weak
+        types and shardings (else a ValueError naming `params`, and the engine keeps its
+        weights). Requests queued or running finish on the old weights (this call waits for
+        them, up to `timeout`; submissions made meanwhile wait and run on the new ones); the
+        prefix cache is forgotten, and records name the weights each request ran on. A
+        speculative draft keeps its own weights. `params_hash`: the new weights' content hash
+        when the caller knows it."""
+        if self.step_hook is not None:
+            raise ValueError("params: update_params is not supported with a step hook (the "
+                             "followers of serve --distributed hold their own weights)")
+        weights.check_compatible(self.params, params)
+        weights.swap(self, params, params_hash, timeout)
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the engine thread, waiting up to `timeout` seconds for it (a step that is running,

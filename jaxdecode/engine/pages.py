@@ -125,6 +125,14 @@ class PagePool:
                 self.cached[key] = page
                 self.key_of[page] = key
 
+    def forget_prefixes(self) -> None:
+        """Drop every prefix-cache entry (the weights changed, contract R4): idle cached pages
+        become free, pages still held stay with their holders, uncached."""
+        self.free.extend(self.idle)
+        self.idle.clear()
+        self.cached.clear()
+        self.key_of.clear()
+
     def reset(self) -> None:
         """Forget every page (the device pool was dropped); the counters go on."""
         queries, hits = self.queries, self.hits

@@ -73,6 +73,13 @@ class Records:
             self._hashes["params"] = replay_lib.params_hash(self.params)
         return self._hashes["params"]
 
+    def swap(self, params: Any, params_hash: Optional[str]) -> None:
+        """New weights (`LLM.update_params`): their hash is computed on first use, or given."""
+        self.params = params
+        self._hashes.pop("params", None)
+        if params_hash is not None:
+            self._hashes["params"] = params_hash
+
     @property
     def tokenizer_hash(self) -> str:
         if "tokenizer" not in self._hashes:
@@ -87,7 +94,7 @@ class Records:
     def record(self, r: Request, finish: Optional[FinishReason],
                error: Optional[ErrorCode]) -> replay_lib.GenerationRecord:
         return replay_lib.build_record(
-            model_hash=self.params_hash, model_config=self.model.config,
+            model_hash=r.params_hash or self.params_hash, model_config=self.model.config,
             model_source=self.model_source, tokenizer_hash_=self.tokenizer_hash,
             prompt_text=r.prompt_text, prompt_ids=r.prompt_ids, sampling=r.sampling,
             seed=r.seed, key_data=r.key_data, sample_index=r.index,

@@ -239,6 +239,14 @@ class Runner:
         self.run(step_ops.init(ctx.max_slots, ctx.max_len, ctx.eos_token_ids, ctx.num_pages,
                                ctx.page_size))
 
+    def swap_params(self, params: Any) -> None:
+        """New weights for every later op (`LLM.update_params`, engine/weights.py): the same
+        backend -- its state, counters and compiled programs -- over them."""
+        backend = self.ctx.backend
+        self.ctx = dataclasses.replace(self.ctx, params=params)
+        vars(self.ctx)["backend"] = backend  # the cached_property's slot
+        backend.params = params
+
     def reset(self) -> None:
         """Drop the device state and the grammar tables (after a failure)."""
         self.run(step_ops.reset())

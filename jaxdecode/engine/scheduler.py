@@ -134,6 +134,7 @@ class Scheduler:
         self.release = np.zeros(max_slots, bool)
         self.paused = np.zeros(max_slots, bool)
         self.closed = False
+        self.holding = False  # LLM.update_params: new submissions wait (engine/weights.py)
 
     # -- the queue (any thread) ---------------------------------------------------------------
 
@@ -146,6 +147,9 @@ class Scheduler:
             while pending:
                 if self.closed:
                     raise EngineClosed("the engine is closed")
+                if self.holding:  # weights are being swapped: queue behind the swap
+                    self.cond.wait(0.05)
+                    continue
                 room = self.max_queue - len(self.queue)
                 if not block and room < len(pending):  # all or none
                     raise QueueFull(f"admission queue is full ({self.max_queue} requests)")
