@@ -13,6 +13,9 @@ or 1 (either means "none"), and top_k, top_p, min_p, the penalties, logit_bias,
 banned_token_ids and logprobs must keep their defaults. With `num_beams == 1` the two beam
 fields are unused (HF ignores them too).
 
+`lora`: the name of one of the engine's LoRA adapters (`LLM(lora_modules={name: path})`,
+contract R6), None for the base model; not with beam search.
+
 Device ranges (every value must be exact on the device, so one request can never make the
 step compute inf/NaN or overflow an int32): integers fit int32; floats are finite in float32;
 presence/frequency penalties are in [-2, 2] and logit_bias values in [-100, 100] (OpenAI's
@@ -106,6 +109,7 @@ class SamplingParams:
     num_beams: int = 1
     length_penalty: float = 1.0
     early_stopping: Union[bool, str] = False
+    lora: Optional[str] = None
 
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
@@ -146,6 +150,9 @@ class SamplingParams:
         set_("logit_bias", self._normalise_bias(self.logit_bias))
         # shape only (cheap, no tokenizer); compiled at submission (jaxdecode/device/constraints)
         set_("response_format", validate_response_format(self.response_format))
+        if self.lora is not None and (not isinstance(self.lora, str) or not self.lora):
+            _fail("lora", f"must be an adapter name (a non-empty string) or None, got "
+                  f"{self.lora!r}")
         self._check_beams()
 
     def _check_beams(self) -> None:
@@ -160,6 +167,8 @@ class SamplingParams:
             _fail("early_stopping", f"must be True, False or 'never', got {self.early_stopping!r}")
         if self.num_beams == 1:
             return
+        if self.lora is not None:
+            _fail("lora", "adapters are not available with beam search (num_beams > 1)")
         if self.n > self.num_beams:
             _fail("n", f"the number of returned beams must be <= num_beams ({self.num_beams}), "
                   f"got {self.n}")

@@ -202,6 +202,12 @@ class DecoderModel(Protocol):
     real token, [B, 1, vocab_size] (the decoder's prompt passes ask for it; without it they
     take that row of the full logits).
 
+    Adapters (optional, contract R6): a model whose forward accepts the keyword `adapters`
+    (int32[B], each row's LoRA adapter index, 0 the base) applies the stack its params carry as
+    `params["lora"]` (ignored without one); `load_adapter(name, path, params)` reads one
+    adapter for the base params and `stack_adapters(adapters, params, max_loras)` builds that
+    stack (jaxdecode/engine/adapters.py calls them; models/lora.py for the Llama family).
+
     Hook points (optional, jaxdecode/device/hooks.py): a model that accepts the keyword `hook` calls
     `x = hook(name, x)` at each point of `hook_points(config.num_layers)`, in that order, with
     `x` the activation [B, T, hidden] of this call's tokens, and continues with the returned

@@ -133,9 +133,11 @@ def build_record(*, model_hash: str, model_config: Any, model_source: Optional[s
                  messages: Optional[list] = None, chat_template_hash: Optional[str] = None,
                  processors: Optional[tuple] = None,
                  batch_invariance: Optional[dict] = None,
-                 quantization: Optional[str] = None) -> GenerationRecord:
+                 quantization: Optional[str] = None,
+                 lora: Optional[dict] = None) -> GenerationRecord:
     """The record of one request; `processors`: the stage order with custom processors
-    (jaxdecode/device/research.py), recorded only when there are some."""
+    (jaxdecode/device/research.py), recorded only when there are some; `lora`: the LoRA
+    adapter it ran with ({"name", "hash"}, contract R7), recorded only when it had one."""
     prompt = {"ids": list(prompt_ids), "text": prompt_text,
               "bytes_b64": (base64.b64encode(prompt_text.encode()).decode()
                             if prompt_text is not None else None),
@@ -165,6 +167,8 @@ def build_record(*, model_hash: str, model_config: Any, model_source: Optional[s
     })
     if processors is not None:
         record.data["processors"] = list(processors)
+    if lora is not None:
+        record.data["model"]["lora"] = dict(lora)
     return record
 
 
@@ -216,6 +220,7 @@ def environment_differences(record: GenerationRecord, llm: Any) -> list:
     if was_q != now_q:
         out.append(f"quantization: recorded {was_q!r}, now {now_q!r} (load the model with "
                    "quantization= as recorded)")
+    out.extend(lora_differences(record, llm))
     if record.data["tokenizer"]["hash"] != llm.tokenizer_hash:
         out.append("tokenizer: differs from the recorded snapshot hash")
     was, now = (record.data.get("batch_invariance") or {},
@@ -232,6 +237,21 @@ def environment_differences(record: GenerationRecord, llm: Any) -> list:
     if (list(now_processors) if now_processors else None) != was_processors:
         out.append(f"processors: recorded {was_processors!r}, now {now_processors!r}")
     return out
+
+
+def lora_differences(record: GenerationRecord, llm: Any) -> list:
+    """The record's LoRA adapter (contract R7; the replay selects it by name, `sampling.lora`)
+    against the engine's adapter of that name: missing, or other weights."""
+    was = record.data["model"].get("lora")
+    if was is None:
+        return []
+    hashes = getattr(getattr(llm, "adapters", None), "hashes", None) or {}
+    if was["name"] not in hashes:
+        return [f"lora: the record ran with adapter {was['name']!r}, which the engine has not "
+                "loaded (LLM(lora_modules=...))"]
+    if hashes[was["name"]] != was["hash"]:
+        return [f"lora: adapter {was['name']!r} holds other weights than the recorded ones"]
+    return []
 
 
 def divergence_details(llm: Any, record: GenerationRecord, step: int, actual: list) -> dict:

@@ -259,14 +259,18 @@ class CachedDecoder:
 
     def forward(self, params: dict, tokens: Array, positions: Array, cache: Any, *,
                 lengths: Array, kv_len: Optional[int] = None, hook: Optional[Any] = None,
-                last_only: bool = False) -> tuple[Array, Any]:
+                last_only: bool = False, adapters: Optional[Array] = None
+                ) -> tuple[Array, Any]:
         """The protocol's forward: each layer's K/V is written at its absolute positions
         (padding dropped); `kv_len` (static, optional) limits attention to the first kv_len
         cache positions when the caller knows every row is shorter; `last_only` (static)
         returns only the logits after each row's last token, [B, 1, V] (a prompt pass: the
         output head reads its weights once per tile of rows, as in a decode step, not once per row
         of T tokens -- the head is 14% of llama-512's weights); `hook(name, x) -> x` is
-        called at each of `model_api.hook_points` (jaxdecode/device/hooks.py). On a GPU or
+        called at each of `model_api.hook_points` (jaxdecode/device/hooks.py); `adapters`
+        int32[B]: each row's LoRA adapter index (0: none) into the stack `params["lora"]`
+        (models/lora.py: a family with LoRA support overrides `_adapters`; ignored without
+        a stack). On a GPU or
         TPU a decode step over a `PagedKVCache` runs the Pallas paged-attention kernel
         (models/paged_attention.py); everywhere else attention reads the gathered pages."""
         write_pos = write_positions(positions, lengths, cache.max_len)
@@ -296,10 +300,16 @@ class CachedDecoder:
         mode = invariance.construction(self.invariance)
         tiles = None if mode == "none" else Tiles.upto_last_live(lengths, self.row_tile,
                                                                  unrolled=mode == "fixed_shape")
-        x = self._run(params, tokens, positions, attend, tiles, hook)
+        x = self._run(params, tokens, positions, attend, tiles, hook,
+                      **self._adapters(params, adapters, tiles))
         if last_only:
             x = jnp.take_along_axis(x, jnp.maximum(lengths - 1, 0)[:, None, None], axis=1)
         return self._head(params, x, tiles), cache.replace(lengths=new_lengths)
+
+    def _adapters(self, params: dict, adapters: Optional[Array], tiles: Optional[Tiles]) -> dict:
+        """The `_run` keywords that apply the rows' LoRA adapters: none in a family without
+        LoRA support."""
+        return {}
 
     def logits(self, params: dict, tokens: Array, positions: Optional[Array] = None,
                hook: Optional[Any] = None) -> Array:

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 from jaxdecode.model_api import ModelConfig
 from models import layers as L
+from models import lora as lora_lib
 
 Array = jax.Array
 
@@ -59,10 +60,23 @@ class Llama(L.CachedDecoder):
 
     # -- internals ----------------------------------------------------------------------------
 
+    def load_adapter(self, name: str, path: str, params: dict) -> dict:
+        """A PEFT LoRA adapter for `params` (models/lora.py; the `model_api` adapter
+        protocol)."""
+        return lora_lib.load_adapter(name, path, params)
+
+    def stack_adapters(self, adapters: list, params: dict, max_loras: int) -> dict:
+        """`params["lora"]` holding `adapters` at indices 1.. (models/lora.py)."""
+        return lora_lib.stack_adapters(adapters, params, max_loras)
+
+    def _adapters(self, params: dict, adapters: Optional[Array], tiles) -> dict:
+        rows = lora_lib.adapters_of(params, adapters, tiles)
+        return {} if rows is None else {"lora": rows}
+
     def _run(self, params: dict, tokens: Array, positions: Array, attend, tile,
-             hook=None) -> Array:
+             hook=None, lora: Optional[lora_lib.RowAdapters] = None) -> Array:
         """The hidden states after the final norm, [B, T, D] (`CachedDecoder._head` maps them
-        to logits)."""
+        to logits); `lora`: the rows' adapters, added to each targeted projection."""
         c = self.config
         b, t = tokens.shape
         inv_freq = L.rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling_dict)
@@ -70,9 +84,13 @@ class Llama(L.CachedDecoder):
         x = L.embed_rows(params["embed"], tokens)
         if hook is not None:  # hook points (model_api.hook_points)
             x = hook("embed", x)
+        def proj(i: int, name: str, h: Array) -> Array:
+            y = L.dense(h, params["layers"][i][name], tile)
+            return y if lora is None else lora.apply(i, name, h, y)
+
         for i, p in enumerate(params["layers"]):
             h = L.rms_norm(x, p["attn_norm"], c.rms_norm_eps, tile)
-            q, k, v = (L.dense(h, p[name], tile) for name in ("q", "k", "v"))
+            q, k, v = (proj(i, name, h) for name in ("q", "k", "v"))
             if c.attention_bias:
                 q, k, v = q + p["q_bias"], k + p["k_bias"], v + p["v_bias"]
             q = q.reshape(b, t, c.num_heads, c.head_dim)
@@ -84,10 +102,10 @@ class Llama(L.CachedDecoder):
             k = L.apply_rope(k, positions, inv_freq, rope_scale)
             v = v.reshape(b, t, c.num_kv_heads, c.head_dim)
             attn = attend(i, q, k, v, c.sliding_window)
-            x = x + L.dense(attn.reshape(b, t, -1), p["o"], tile)
+            x = x + proj(i, "o", attn.reshape(b, t, -1))
             h = L.rms_norm(x, p["mlp_norm"], c.rms_norm_eps, tile)
-            mlp = jax.nn.silu(L.dense(h, p["gate"], tile)) * L.dense(h, p["up"], tile)
-            x = x + L.dense(mlp, p["down"], tile)
+            mlp = jax.nn.silu(proj(i, "gate", h)) * proj(i, "up", h)
+            x = x + proj(i, "down", mlp)
             if hook is not None:
                 x = hook(f"resid.{i}", x)
         x = L.rms_norm(x, params["final_norm"], c.rms_norm_eps, tile)

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 
 from jaxdecode.device import cache_ops, numerics
 from jaxdecode.device import research as research_lib
-from jaxdecode.device.decode import first_tokens, kv_len_keyword, last_logits
+from jaxdecode.device.decode import adapter_keyword, first_tokens, kv_len_keyword, last_logits
 from jaxdecode.device.speculative.state import SpecState
 from jaxdecode.device.state import RowParams, StepOutput, StepState
 from jaxdecode.model_api import DecoderModel, PagedKVCache
@@ -54,28 +54,32 @@ class ChunkConfig:
 
 
 def _write(model: DecoderModel, params: Any, pool: PagedKVCache, tokens: Array, start: Array,
-           length: Array, table: Array, kv_len: int) -> tuple[PagedKVCache, Array]:
+           length: Array, table: Array, kv_len: int,
+           adapters: Optional[Array] = None) -> tuple[PagedKVCache, Array]:
     view = pool.replace(page_table=table, lengths=start)
     positions = start[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
     last, out = last_logits(model, params, tokens, positions, view, length,
-                            **kv_len_keyword(model, kv_len))
+                            **kv_len_keyword(model, kv_len), **adapter_keyword(model, adapters))
     return pool.replace(k=out.k, v=out.v), last
 
 
 @cache_ops.shared_tables
 def prefill_chunk(state: Any, params: Any, draft_params: Any, tokens: Array, start: Array,
-                  length: Array, table: Array, *, config: ChunkConfig) -> tuple[Any, Array]:
+                  length: Array, table: Array, adapters: Array, *,
+                  config: ChunkConfig) -> tuple[Any, Array]:
     """One chunk of each of B rows (tokens int32[B, T], start / length int32[B], table
-    int32[B, P]) into the pool (module docstring). Returns the state and the logits f32[B, V]
-    after each chunk's last real token (f32[config.logit_rows, V], zero rows after them)."""
+    int32[B, P], adapters int32[B]: each row's LoRA adapter index, contract R6) into the pool
+    (module docstring). Returns the state and the logits f32[B, V] after each chunk's last real
+    token (f32[config.logit_rows, V], zero rows after them)."""
     state, logits = _prefill_chunk(state, params, draft_params, tokens, start, length, table,
-                                   config)
+                                   adapters, config)
     extra = max(0, config.logit_rows - logits.shape[0])
     return state, jnp.pad(logits, ((0, extra), (0, 0)))
 
 
 def _prefill_chunk(state: Any, params: Any, draft_params: Any, tokens: Array, start: Array,
-                   length: Array, table: Array, config: ChunkConfig) -> tuple[Any, Array]:
+                   length: Array, table: Array, adapters: Array,
+                   config: ChunkConfig) -> tuple[Any, Array]:
     if isinstance(state, SpecState):
         tcache, logits = _write(config.model, params, state.tcache, tokens, start, length, table,
                                 config.kv_len)
@@ -86,7 +90,7 @@ def _prefill_chunk(state: Any, params: Any, draft_params: Any, tokens: Array, st
             state = state.replace(dcache=dcache)
         return state, logits
     cache, logits = _write(config.model, params, state.cache, tokens, start, length, table,
-                           config.kv_len)
+                           config.kv_len, adapters)
     return state.replace(cache=cache), logits
 
 

@@ -116,6 +116,13 @@ def kv_len_keyword(model: DecoderModel, kv_len: Optional[int]) -> dict:
     return {"kv_len": kv_len} if kv_len is not None and accepts(type(model), "kv_len") else {}
 
 
+def adapter_keyword(model: DecoderModel, adapters: Optional[Array]) -> dict:
+    """The forward's `adapters` keyword (each row's LoRA adapter index, contract R6) when the
+    model takes one."""
+    return ({"adapters": adapters} if adapters is not None and accepts(type(model), "adapters")
+            else {})
+
+
 def last_logits(model: DecoderModel, params: Any, tokens: Array, positions: Array, cache: Any,
                 lengths: Array, **extra: Any) -> tuple[Array, Any]:
     """A prompt pass: the forward, and the f32 logits [B, V] after each row's last token
@@ -262,6 +269,7 @@ def decode_step(config: StepConfig, params: Any, state: StepState,
     goes_on = live & (finish == RUNNING)
 
     extra = kv_len_keyword(model, config.kv_len)
+    extra.update(adapter_keyword(model, state.rows.adapter))
     captured: dict = {}
     extra.update(research_hook(research, research_args, captured, lambda x: x[:, 0]))
     logits, cache = model.forward(params, token[:, None], state.cache.lengths[:, None],

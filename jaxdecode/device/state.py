@@ -35,6 +35,8 @@ class RowParams:
     eos_mask: bool[B, V] ids that end the request with `eos` (empty when ignore_eos)
     stop_mask: bool[B, V] single stop_token_ids (`stop_sequence`)
     keys:     uint32[B, 2] per-request base PRNG key data (contract X1)
+    adapter:  int32[B] the row's LoRA adapter index (0: the base model; contract R6), passed to
+              a model whose forward takes `adapters` (model_api)
     """
 
     temperature: Array
@@ -50,11 +52,14 @@ class RowParams:
     eos_mask: Array
     stop_mask: Array
     keys: Array
+    adapter: Array
 
     @classmethod
     def build(cls, sampling: Sequence[SamplingParams], vocab_size: int,
-              eos_token_ids: Sequence[int] = (), keys: Optional[np.ndarray] = None) -> "RowParams":
-        """Host-side assembly in numpy; one transfer per field."""
+              eos_token_ids: Sequence[int] = (), keys: Optional[np.ndarray] = None,
+              adapters: Optional[Sequence[int]] = None) -> "RowParams":
+        """Host-side assembly in numpy; one transfer per field. `adapters`: each row's adapter
+        index (default 0, the base model)."""
         b = len(sampling)
         f32 = lambda name: np.array([getattr(s, name) for s in sampling], np.float32)  # noqa: E731
         i32 = lambda name: np.array([getattr(s, name) for s in sampling], np.int32)  # noqa: E731
@@ -76,7 +81,8 @@ class RowParams:
                    frequency_penalty=f32("frequency_penalty"),
                    presence_penalty=f32("presence_penalty"), max_tokens=i32("max_tokens"),
                    min_tokens=i32("min_tokens"), bias=bias, eos_mask=eos_mask,
-                   stop_mask=stop_mask, keys=np.asarray(keys, np.uint32))
+                   stop_mask=stop_mask, keys=np.asarray(keys, np.uint32),
+                   adapter=np.asarray(adapters if adapters is not None else [0] * b, np.int32))
 
 
 def seed_key_data(seed: int) -> np.ndarray:

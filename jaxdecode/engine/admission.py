@@ -35,6 +35,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 from jaxdecode.config import SamplingParams
 from jaxdecode.device import constraints, decode
 from jaxdecode.device.state import seed_key_data
+from jaxdecode.engine import adapters as adapters_lib
 from jaxdecode.engine.config import MAX_N, MAX_NUM_BEAMS
 from jaxdecode.engine.request import Request
 from jaxdecode.prompts import token_row
@@ -123,6 +124,7 @@ class Admission:
     stream: dict
     trace: bool = True
     speculative: Optional[Any] = None  # engine.speculative.SpeculativeConfig
+    adapters: Optional[Any] = None     # engine.adapters.Adapters
 
     def __post_init__(self):
         self._ids = itertools.count()
@@ -165,6 +167,7 @@ class Admission:
             raise ValueError("n: submit() and stream() take one sample; use generate() for n > 1")
         prompt_ids = self.encode(prompt)
         sp.check_vocab(self.model.config.vocab_size)
+        adapter = adapters_lib.index_of(self.adapters, sp.lora)
         device_sp = check(sp, len(prompt_ids), self.limits)  # before a compile
         if self.speculative is not None and sp.num_beams == 1:  # beams take the beam lane
             self.speculative.check_request(sp)
@@ -179,8 +182,11 @@ class Admission:
                                                  cancelled=cancelled)
         seed = self.seed_of(sp) if seed is None else seed
         key = decode.sample_keys(seed_key_data(seed), sp.n)[index]  # as jd.generate does
-        return Request(request_id or self.new_id(), prompt_ids, sp, tokenizer=self.tokenizer,
-                       prompt_text=prompt if isinstance(prompt, str) else None, seed=seed,
-                       key_data=key, prompt_index=prompt_index, index=index,
-                       output_kind=output_kind or sp.output_kind, trace=self.trace,
-                       grammar=grammar, device_sampling=device_sp, **self.stream)
+        r = Request(request_id or self.new_id(), prompt_ids, sp, tokenizer=self.tokenizer,
+                    prompt_text=prompt if isinstance(prompt, str) else None, seed=seed,
+                    key_data=key, prompt_index=prompt_index, index=index,
+                    output_kind=output_kind or sp.output_kind, trace=self.trace,
+                    grammar=grammar, device_sampling=device_sp, **self.stream)
+        if adapter:
+            r.adapter, r.adapter_tag = adapter, self.adapters.tag(sp.lora)
+        return r

@@ -6,7 +6,7 @@ decoding being K = 1 and speculative decoding K = k + 1, and the output processo
 through one per-token path.
 
     empty_state()                  every row done, an empty page pool
-    chunk(state, tokens, start, length, tables, kv_len)
+    chunk(state, tokens, start, length, tables, kv_len, adapters)
                                    one prefill chunk of each of n rows into its pages
                                    (rows padded to shapes.row_bucket) -> logits
     start(state, logits, finals, top_k)
@@ -90,7 +90,8 @@ class StepResult:
 class SlotBackend(Protocol):
     def empty_state(self) -> Any: ...
     def chunk(self, state: Any, tokens: np.ndarray, start: np.ndarray, length: np.ndarray,
-              tables: np.ndarray, kv_len: int) -> tuple[Any, Any]: ...
+              tables: np.ndarray, kv_len: int,
+              adapters: Optional[np.ndarray] = None) -> tuple[Any, Any]: ...
     def start(self, state: Any, logits: Any, finals: Sequence[tuple[int, NewRows]],
               top_k: int = 0) -> tuple[Any, Any]: ...
     def insert(self, state: Any, rows: Any, targets: np.ndarray) -> Any: ...
@@ -148,17 +149,20 @@ class _Rows:
         return slots.empty_state(self.slot_config, rows, mesh=self.mesh, **self._research())
 
     def chunk(self, state: Any, tokens: np.ndarray, start: np.ndarray, length: np.ndarray,
-              tables: np.ndarray, kv_len: int) -> tuple[Any, Any]:
-        """Chunks of n rows (tokens int32[n, T], start / length int32[n], tables int32[n, P])
-        in one call of `shapes.row_bucket(n)` rows; the padding rows (length 0, the null page)
+              tables: np.ndarray, kv_len: int,
+              adapters: Optional[np.ndarray] = None) -> tuple[Any, Any]:
+        """Chunks of n rows (tokens int32[n, T], start / length int32[n], tables int32[n, P],
+        adapters int32[n]: LoRA adapter indices, default 0) in one call of `shapes.row_bucket(n)` rows; the padding rows (length 0, the null page)
         write nothing and the model skips their weight products. Returns the state and the
         logits f32[row_bucket(self.rows), V] (row i: chunk i; one shape for `start`)."""
         pad = row_bucket(len(tokens)) - len(tokens)
         rows = lambda x: np.concatenate(  # noqa: E731
             [np.asarray(x, np.int32), np.zeros((pad,) + np.shape(x)[1:], np.int32)])
         config = chunks.ChunkConfig(self.model, kv_len, self.draft, row_bucket(self.rows))
+        adapters = np.zeros((len(tokens),), np.int32) if adapters is None else adapters
         return chunks.prefill_chunk(state, self.params, self.draft_params, rows(tokens),
-                                    rows(start), rows(length), rows(tables), config=config)
+                                    rows(start), rows(length), rows(tables), rows(adapters),
+                                    config=config)
 
     def start(self, state: Any, logits: Any, finals: Sequence[tuple[int, NewRows]],
               top_k: int = 0) -> tuple[Any, Any]:

@@ -17,6 +17,7 @@ from typing import Any, Optional, Sequence
 
 from jaxdecode import invariance
 from jaxdecode.device import constraints, decode
+from jaxdecode.engine import adapters
 from jaxdecode.tokenization import eos_token_id
 
 MAX_NUM_BEAMS = 16
@@ -89,6 +90,8 @@ class EngineConfig:
     decode_steps: Optional[int] = None
     row_tile: Optional[int] = None
     batch_invariant: bool = True
+    lora_modules: Optional[Any] = None
+    max_loras: Optional[int] = None
 
     def __post_init__(self):
         _integer("max_slots", self.max_slots)
@@ -99,6 +102,9 @@ class EngineConfig:
         if self.decode_steps is not None:
             _integer("decode_steps", self.decode_steps, 1, decode.MAX_STEPS_PER_CALL)
         self.kv  # noqa: B018 (validates the KV settings)
+        # {name: path} -> (name, path) pairs (adapters.py): frozen, like every other field
+        object.__setattr__(self, "lora_modules",
+                           adapters.check_modules(self.lora_modules, self.max_loras) or None)
 
     @property
     def kv(self) -> KVLayout:
@@ -134,8 +140,13 @@ def decode_steps(value: Optional[int], spec: Any, research: Any) -> int:
     return value
 
 
-def check_options(spec: Any, research: Any, mesh: Any, step_hook: Any) -> None:
-    """The engine options that do not go together (ValueError naming one of them)."""
+def check_options(spec: Any, research: Any, mesh: Any, step_hook: Any,
+                  lora: bool = False) -> None:
+    """The engine options that do not go together (ValueError naming one of them); `lora`:
+    the engine has adapters."""
+    if lora and (spec is not None or mesh is not None or step_hook is not None):
+        raise ValueError("lora_modules: not supported together with speculative=, mesh= or "
+                         "step_hook= yet")
     if spec is not None and mesh is not None:
         raise ValueError("speculative: not supported together with mesh yet")
     if research is not None and spec is not None:

@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 from jaxdecode import replay as replay_lib
 from jaxdecode.config import MAX_LOGPROBS, SamplingParams
 from jaxdecode.device import constraints, research
-from jaxdecode.engine import admission, records, runner, samples, weights
+from jaxdecode.engine import adapters, admission, records, runner, samples, weights
 from jaxdecode.engine import config as engine_config
 from jaxdecode.engine.config import EngineConfig
 from jaxdecode.engine.core import EngineCore
@@ -52,7 +52,10 @@ class LLM:
     `invariance.ROW_TILE` by default). Wider tiles make full batches faster and a lone row
     slower; a row's tokens are invariant for one tile, not across two, and records pin it
     (docs/batch_invariance.md "Row tiles as a setting"); `batch_invariant=False`: the model and
-    its draft on XLA's plain numerics (X1 not kept; records say `"mode": "none"`)."""
+    its draft on XLA's plain numerics (X1 not kept; records say `"mode": "none"`);
+    `lora_modules` {name: PEFT directory} and `max_loras`: LoRA adapters a request selects with
+    `SamplingParams(lora=name)`, all in one batch and one program (engine/adapters.py, contract
+    R6; `adapters` holds them, None without)."""
 
     def __init__(self, model: DecoderModel, params: Any, tokenizer: Any,
                  config: Optional[EngineConfig] = None, *, mesh: Optional[Any] = None,
@@ -64,6 +67,9 @@ class LLM:
         model = cfg.for_model(model)
         params = weights.committed(params)  # update_params' trees compile alike (weights.py)
         self.model, self.params, self.tokenizer = model, params, tokenizer
+        self.adapters = adapters.Adapters.load(model, params, cfg.lora_modules or (),
+                                               cfg.max_loras)
+        engine_params = weights.with_adapters(params, self.adapters)
         self.max_slots, self.max_len, self.max_queue = cfg.max_slots, cfg.max_len, cfg.max_queue
         self.limits = admission.EngineLimits(cfg.max_len, cfg.max_slots, model.config.max_len,
                                              cfg.max_num_beams, cfg.max_n)
@@ -76,16 +82,17 @@ class LLM:
             spec = dataclasses.replace(spec, draft=engine_config.row_tiled(
                 spec.draft, cfg.row_tile, cfg.batch_invariant))
         self._research = research.configure(model, processors=processors)
-        engine_config.check_options(spec, self._research, mesh, step_hook)
+        engine_config.check_options(spec, self._research, mesh, step_hook,
+                                    lora=self.adapters is not None)
         budget = constraints.CompileBudget(seconds=cfg.max_constraint_compile_s,
                                            max_states=cfg.max_constraint_states)
         self._admission = admission.Admission(
             model, tokenizer, self.limits, budget, self.eos_token_ids, trace=cfg.trace,
             stream={"max_buffered": cfg.max_buffered, "backpressure": cfg.backpressure},
-            speculative=spec)
+            speculative=spec, adapters=self.adapters)
         self.kv = cfg.kv
         # every device call is a step op, published to step_hook first (serving/distributed.py)
-        ctx = runner.Context(model, params, cfg.max_slots, cfg.max_len, self.eos_token_ids, mesh,
+        ctx = runner.Context(model, engine_params, cfg.max_slots, cfg.max_len, self.eos_token_ids, mesh,
                              replicate_outputs=step_hook is not None, tokenizer=tokenizer,
                              spec=spec, research=self._research, pages=self.kv.pages,
                              page_size=self.kv.page_size)
@@ -97,7 +104,8 @@ class LLM:
         self._records = records.Records(
             model, params, tokenizer, model_source=cfg.model_source, max_slots=cfg.max_slots,
             max_len=cfg.max_len, params_hash=cfg.params_hash, kv=self.kv,
-            processor_order=None if self._research is None else self._research.processor_order)
+            processor_order=None if self._research is None else self._research.processor_order,
+            adapters=self.adapters)
         self._spec, self.step_hook = spec, step_hook
 
     # -- requests -------------------------------------------------------------------------------

@@ -48,7 +48,8 @@ def chunk(ctx: Any, s: Scheduler, batch: list[Chunk], initial: Optional[np.ndarr
     return step_ops.chunk(
         tokens, np.array([c.start for c in batch], np.int32),
         np.array([c.length for c in batch], np.int32),
-        np.stack([s.placements.table(c.request) for c in batch]), batch[0].kv_len, finals, k)
+        np.stack([s.placements.table(c.request) for c in batch]), batch[0].kv_len, finals, k,
+        np.array([c.request.adapter for c in batch], np.int32))
 
 
 def new_rows(ctx: Any, s: Scheduler, r: Request, group: list,
@@ -62,7 +63,8 @@ def new_rows(ctx: Any, s: Scheduler, r: Request, group: list,
     prompt = np.zeros((decode.bucket(n, ctx.max_len),), np.int32)
     prompt[:n] = inputs
     rows = RowParams.build([x.device_sampling for x in group], vocab, ctx.eos_token_ids,
-                           keys=np.stack([x.key_data for x in group]))
+                           keys=np.stack([x.key_data for x in group]),
+                           adapters=[x.adapter for x in group])
     states = None
     if initial is not None:
         states = np.array([i + x.grammar.walk(x.token_ids) if x.grammar is not None else i

@@ -99,7 +99,8 @@ class Placements:
         inputs = self.prefill_inputs(r)
         per_chunk = self.prefill_chunk // self.page_size
         keys = page_keys(inputs, self.page_size, self.prefill_chunk,
-                         chunk_length(len(inputs), self.prefill_chunk), self.namespace())
+                         chunk_length(len(inputs), self.prefill_chunk),
+                         self.namespace() + r.adapter_tag)  # its adapter's pages (R7)
         usable = max(0, len(inputs) - 1) // self.prefill_chunk * per_chunk
         hits = self.pool.lookup(keys, usable)
         return hits[:len(hits) // per_chunk * per_chunk], keys

@@ -60,8 +60,10 @@ class Records:
 
     def __init__(self, model: Any, params: Any, tokenizer: Any, *, model_source: Optional[str],
                  max_slots: int, max_len: int, processor_order: Optional[tuple] = None,
-                 params_hash: Optional[str] = None, kv: Optional[Any] = None):
+                 params_hash: Optional[str] = None, kv: Optional[Any] = None,
+                 adapters: Optional[Any] = None):
         self.model, self.params, self.tokenizer = model, params, tokenizer
+        self.adapters = adapters  # engine/adapters.py: a record names its request's (R7)
         self.model_source, self.max_slots, self.max_len = model_source, max_slots, max_len
         self.kv = kv  # config.KVLayout: pages, page size, prefill chunk, prefix cache
         self.processor_order = processor_order
@@ -108,7 +110,8 @@ class Records:
             text=r.pipeline.text, finish_reason=finish.value if finish else None,
             error=error.value if error else None, usage=dataclasses.asdict(r.usage()),
             processors=self.processor_order,
-            quantization=params_quantization(self.params))
+            quantization=params_quantization(self.params),
+            lora=None if self.adapters is None else self.adapters.record(r.sampling.lora))
 
 
 def row_arrays(state: Any, r: Request, placed: Any, grammar_offset: int = 0) -> dict:

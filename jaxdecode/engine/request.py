@@ -63,6 +63,7 @@ class Request:
         self.score: Optional[float] = None       # a beam's score (beam_lane)
         self.cached_tokens = 0       # prompt tokens mapped from the prefix cache (§9)
         self.params_hash: Optional[str] = None  # the weights it runs on (set when queued, R4)
+        self.adapter, self.adapter_tag = 0, ""  # its LoRA index and key (adapters.py, R6)
         self.share_with: Optional["Request"] = None  # sample 0 of its prompt (n > 1)
         self.settled = threading.Event()         # paused with no step in flight
         self.finished = threading.Event()        # ended and released

@@ -95,7 +95,7 @@ def apply(ctx: Context, state: Optional[Any], op: step_ops.StepOp) -> tuple[Opti
         return backend.empty_state(), None
     if op.code == step_ops.CHUNK:
         state, logits = backend.chunk(state, a["tokens"], a["start"], a["length"],
-                                      a["tables"], op.scalar("kv_len"))
+                                      a["tables"], op.scalar("kv_len"), a["adapters"])
         return backend.start(state, logits, step_ops.finals(op), op.scalar("top_k"))
     if op.code == step_ops.RESTORE:
         return _restore(ctx, state, a), None

@@ -42,7 +42,7 @@ from jaxdecode.device.constraints.tables import GrammarTables
 from jaxdecode.device.state import RowParams
 from jaxdecode.engine.backend import NewRows
 
-VERSION = 5
+VERSION = 6
 INIT, CHUNK, RESTORE, GRAMMAR, FLAGS, STEP, RESET, WARMUP, STOP, BEAM = range(1, 11)
 NAMES = {INIT: "init", CHUNK: "chunk", RESTORE: "restore", GRAMMAR: "grammar", FLAGS: "flags",
          STEP: "step", RESET: "reset", WARMUP: "warmup", STOP: "stop", BEAM: "beam"}
@@ -98,15 +98,18 @@ _RESUME = ("resume.step", "resume.counts", "resume.last_token", "resume.prompt_l
 
 
 def chunk(tokens: np.ndarray, start: np.ndarray, length: np.ndarray, tables: np.ndarray,
-          kv_len: int, finals: Sequence[tuple[int, NewRows]] = (), top_k: int = 0) -> StepOp:
+          kv_len: int, finals: Sequence[tuple[int, NewRows]] = (), top_k: int = 0,
+          adapters: Optional[np.ndarray] = None) -> StepOp:
     """Prefill tokens int32[n, T] (the first `length[i]` of row i real) at positions
     start[i].. of the rows whose page tables are `tables` int32[n, P], attending to `kv_len`
-    positions; `finals` (chunk row, `NewRows`): the rows that start decoding after the prompt
+    positions, row i with LoRA adapter `adapters[i]` (default 0, the base); `finals` (chunk row, `NewRows`): the rows that start decoding after the prompt
     whose last chunk is that row, whose first tokens come with `top_k` top log-probabilities.
     Each final's arrays are named `final<j>.<name>`."""
     arrays = {"tokens": np.asarray(tokens, np.int32), "start": np.asarray(start, np.int32),
               "length": np.asarray(length, np.int32), "tables": np.asarray(tables, np.int32),
-              "kv_len": _i32(kv_len), "top_k": _i32(top_k)}
+              "kv_len": _i32(kv_len), "top_k": _i32(top_k),
+              "adapters": np.asarray(np.zeros(len(tokens)) if adapters is None else adapters,
+                                     np.int32)}
     for j, (row, final) in enumerate(finals):
         own = {"row": _i32(row), "prompt": final.prompt,
                "prompt_length": _i32(final.prompt_length),

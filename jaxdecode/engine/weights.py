@@ -35,6 +35,12 @@ def committed(params: Any, like: Any = None) -> Any:
     return jax.tree.map(place, params, params if like is None else like)
 
 
+def with_adapters(params: Any, adapters: Any) -> Any:
+    """The weights the engine's programs take: `params`, with the LoRA stack of `adapters`
+    (engine/adapters.py) when there is one, committed."""
+    return params if adapters is None else committed(adapters.attach(params))
+
+
 def check_compatible(current: Any, new: Any) -> None:
     """ValueError naming `params` unless `new` has `current`'s tree structure and, leaf by
     leaf, its shape, dtype, weak type and sharding (what the compiled programs were built
@@ -81,7 +87,7 @@ def swap(llm: Any, params: Any, params_hash: Optional[str], timeout: float) -> N
                 scheduler.cond.wait(0.01)
 
         def on_engine_thread() -> None:
-            core.runner.swap_params(params)
+            core.runner.swap_params(with_adapters(params, llm.adapters))
             scheduler.pool.forget_prefixes()
             llm._records.swap(params, params_hash)
             llm.params = params
