@@ -132,6 +132,8 @@ class Server:
         if record_dir:
             os.makedirs(record_dir, exist_ok=True)
         self.model_name = model_name
+        adapters = getattr(llm, "adapters", None)  # LoRA adapters served by name (R6)
+        self.adapters = () if adapters is None else adapters.names
         self.api_key = api_key
         self.on_disconnect = on_disconnect
         self.max_body_bytes = max_body_bytes
@@ -212,14 +214,14 @@ class Server:
         try:
             body = await read_body(request, self.max_body_bytes)
             req = parse_request(ChatCompletionRequest if chat else CompletionRequest, body)
-            check_model(req.model, self.model_name)
+            lora = check_model(req.model, self.model_name, self.adapters)
             stream = bool(req.stream)
             tools = (await anyio.to_thread.run_sync(
                 lambda: plan_for(req.tools, req.tool_choice, req.response_format))
                 if chat else None)
             handles, ids = await submit_watching(
                 request, self.llm, req, chat=chat, request_id=request_id, stream=stream,
-                max_n=self.max_n, retry_after_s=self.retry_after_s, tools=tools)
+                max_n=self.max_n, retry_after_s=self.retry_after_s, tools=tools, lora=lora)
         except ApiError as err:
             return self.reject(err, request_id, endpoint)
         except Exception:  # answered here: an exception past the route would drop the connection
@@ -295,7 +297,7 @@ class Server:
         try:
             body = await read_body(request, self.max_body_bytes)
             req = parse_request(TokenizeRequest if forward else DetokenizeRequest, body)
-            check_model(req.model, self.model_name)
+            check_model(req.model, self.model_name, self.adapters)
             answer = await anyio.to_thread.run_sync(
                 lambda: tokenize(self.llm, req) if forward else detokenize(self.llm, req))
         except ApiError as err:
@@ -316,11 +318,17 @@ class Server:
         return JSONResponse(body, status_code=200 if state["status"] == "ok" else 503)
 
     def models(self) -> dict:
-        return {"object": "list", "data": [self.model_card()]}
+        return {"object": "list",
+                "data": [self.model_card(m) for m in (self.model_name, *self.adapters)]}
 
-    def model_card(self) -> dict:
-        card = {"id": self.model_name, "object": "model", "created": self.created,
+    def model_card(self, model_id: str) -> dict:
+        """The card of the served model or of one of its LoRA adapters (vLLM's: `parent`
+        names the base; 404 naming `model` for another id)."""
+        check_model(model_id, self.model_name, self.adapters)
+        card = {"id": model_id, "object": "model", "created": self.created,
                 "owned_by": "jaxdecode", "max_model_len": self.llm.max_len}
+        if model_id != self.model_name:
+            card.update(root=model_id, parent=self.model_name)
         if self.speculative is not None:
             card["speculative"] = self.speculative
         return card
@@ -406,10 +414,7 @@ def _add_routes(app: FastAPI, server: Server) -> None:
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
-        if model_id != server.model_name:
-            raise ApiError(404, f"model: the model {model_id!r} does not exist", param="model",
-                           code="model_not_found")
-        return server.model_card()
+        return server.model_card(model_id)
 
     @app.get("/v1/streams/{request_id}")
     async def resume(request_id: str, request: Request):

@@ -103,10 +103,13 @@ class Renderer:
                                offsets=() if chat else offsets)
 
     def envelope(self, request_id: str, chat: bool, stream: bool, created: int,
-                 choices: list, usage: Any = _NO_USAGE) -> dict:
-        """The object around `choices`: a response body, or a chunk when `stream`."""
+                 choices: list, handles: Sequence[Any], usage: Any = _NO_USAGE) -> dict:
+        """The object around `choices` (of the engine requests `handles`): a response body,
+        or a chunk when `stream`; `model` names the LoRA adapter the request selected, else
+        the served model."""
+        model = next((h.sampling.lora for h in handles if h.sampling.lora), self.model_name)
         obj = {"id": request_id, "object": _object(chat, stream), "created": created,
-               "model": self.model_name, "system_fingerprint": self.fingerprint,
+               "model": model, "system_fingerprint": self.fingerprint,
                "choices": choices}
         if usage is not _NO_USAGE:
             obj["usage"] = usage
@@ -147,19 +150,19 @@ class Renderer:
         """The response body of a request whose engine requests all completed."""
         choices = [self.final_choice(h, i, chat, tracked) for i, h in enumerate(tracked.handles)]
         return self.envelope(tracked.request_id, chat, False, created, choices,
-                             usage_object(prompt_tokens, tracked.handles))
+                             tracked.handles, usage_object(prompt_tokens, tracked.handles))
 
     # -- streaming --------------------------------------------------------------------------------
 
     def chunk(self, log: Any, choice: dict) -> str:
         usage = None if log.include_usage else _NO_USAGE
         return to_json(self.envelope(log.request_id, log.chat, True, log.created, [choice],
-                                     usage))
+                                     log.handles, usage))
 
     def usage_chunk(self, log: Any) -> str:
         """`stream_options.include_usage`: the closing chunk with no choices."""
         return to_json(self.envelope(log.request_id, log.chat, True, log.created, [],
-                                     usage_object(log.prompt_tokens, log.handles)))
+                                     log.handles, usage_object(log.prompt_tokens, log.handles)))
 
     def event_data(self, log: Any, i: int, ev: Any, tracked: Any) -> Optional[str]:
         """The SSE data of choice `i`'s engine event `ev` (None: the event sends nothing)."""

@@ -132,7 +132,22 @@ def engine_config(args: Any, model: Any, params: Any, speculative: Optional[dict
                         max_queue=args.max_queue, model_source=args.model,
                         params_hash=params_hash, decode_steps=args.decode_steps,
                         row_tile=args.row_tile, batch_invariant=args.batch_invariant,
+                        lora_modules=lora_modules(args.lora_modules), max_loras=args.max_loras,
                         **limits, **kv_options(args, model, params, speculative))
+
+
+def lora_modules(entries: Optional[list]) -> Optional[dict]:
+    """--lora-modules NAME=PATH ... as {name: path} (None without the flag); ValueError naming
+    lora_modules for an entry without '='."""
+    if not entries:
+        return None
+    out = {}
+    for entry in entries:
+        name, sep, path = entry.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"lora_modules: expected NAME=PATH, got {entry!r}")
+        out[name] = path
+    return out
 
 
 def _placement(args: Any, params: Any, distributed: bool) -> tuple:
@@ -268,6 +283,12 @@ def _add_engine_arguments(p: Any) -> None:
     p.add_argument("--decode-steps", type=int, default=1,
                    help="decode steps per device call while no request waits (jd.LLM's "
                         "decode_steps; default 1: an arrival waits for one step, not several)")
+    p.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="PEFT LoRA adapters of the model (Llama family), each served as model "
+                        "NAME beside the base (/v1/models lists them; a request's 'model' "
+                        "selects one; contract R6)")
+    p.add_argument("--max-loras", type=int, default=None,
+                   help="adapters resident (default: those of --lora-modules)")
     p.add_argument("--row-tile", type=int, default=None,
                    help="rows per weight-product tile (jd.LLM's row_tile; default: the "
                         "model's, 4). Wider tiles speed up full batches and slow a lone "

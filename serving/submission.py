@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import anyio
 from fastapi import Request
@@ -62,10 +62,17 @@ async def read_body(request: Request, max_body_bytes: int) -> bytes:
     return b"".join(chunks)
 
 
-def check_model(model: Optional[str], model_name: str) -> None:
-    if model is not None and model != model_name:
-        raise ApiError(404, f"model: the model {model!r} does not exist (this server "
-                            f"serves {model_name!r})", param="model", code="model_not_found")
+def check_model(model: Optional[str], model_name: str, adapters: Sequence[str] = ()
+                ) -> Optional[str]:
+    """The LoRA adapter a request's `model` selects (None: the base model, `model_name` or
+    absent); 404 naming `model` for any other name (contract R6)."""
+    if model is None or model == model_name:
+        return None
+    if model in adapters:
+        return model
+    served = ", ".join(repr(m) for m in (model_name, *adapters))
+    raise ApiError(404, f"model: the model {model!r} does not exist (this server serves "
+                        f"{served})", param="model", code="model_not_found")
 
 
 def prompt_ids(llm: Any, req: Any, chat: bool, tools: Optional[ToolPlan] = None) -> list:
@@ -86,15 +93,18 @@ def prompt_ids(llm: Any, req: Any, chat: bool, tools: Optional[ToolPlan] = None)
 
 def submit(llm: Any, req: Any, *, chat: bool, request_id: str, stream: bool, max_n: int,
            retry_after_s: int, cancelled: Callable[[], bool],
-           tools: Optional[ToolPlan] = None) -> tuple[list, list]:
+           tools: Optional[ToolPlan] = None, lora: Optional[str] = None) -> tuple[list, list]:
     """Validate, tokenize and queue every choice (runs in a worker thread; `cancelled()`
     true abandons a constraint compile). Returns (handles, prompt ids). `tools` (chat, from
     `serving.tools.plan_for`): a named or required plan's constraint replaces
-    ``response_format``, and its compile errors name ``tools``."""
+    ``response_format``, and its compile errors name ``tools``; `lora`: the adapter the request's
+    ``model`` selected (`check_model`)."""
     check_unsupported(req, chat=chat, max_n=max_n)
     n = 1 if req.n is None else req.n
     default_max = llm.max_len if chat else 16
     sp = sampling_params(req, chat=chat, stream=stream, default_max_tokens=default_max)
+    if lora is not None:
+        sp = dataclasses.replace(sp, lora=lora)
     constrained = tools is not None and tools.constrained
     _, mt_name = max_tokens_field(req, chat)
     try:

@@ -175,3 +175,52 @@ def test_bad_selections_and_families_are_value_errors(llm, setup, banned, tiny_h
     gpt2, gparams, gtok = models.load(tiny_hf_checkpoint("gpt2"))
     with pytest.raises(ValueError, match="^lora_modules: the GPT2 family has no LoRA"):
         jd.LLM(gpt2, gparams, gtok, max_len=64, lora_modules=paths)
+
+
+def test_http_models_selection_and_404_R6(llm, setup, reference, banned):
+    """/v1/models lists the adapters with their parent; `"model": NAME` selects one (the
+    response names it); an unknown name is a 404 naming `model`, and the server serves on."""
+    import asyncio
+
+    import httpx
+
+    from serving.app import create_app
+
+    app = create_app(llm, model_name="tiny-llama")
+    ids = setup[-1]
+    bias = {str(i): -100.0 for i in banned}  # -100 or -inf: greedy never picks them
+
+    async def go():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            models_ = (await c.get("/v1/models")).json()
+            card = await c.get("/v1/models/wide")
+            answers = [await c.post("/v1/completions", json={
+                "model": m, "prompt": ids[1], "max_tokens": NEW_TOKENS, "temperature": 0,
+                "ignore_eos": True, "logit_bias": bias}) for m in ("wide", "tiny-llama", "nope")]
+            return models_, card, answers
+
+    models_, card, (wide, base, missing) = asyncio.run(go())
+    cards = {m["id"]: m for m in models_["data"]}
+    assert set(cards) == {"tiny-llama", "attn", "wide"}
+    assert cards["attn"]["parent"] == "tiny-llama" and "parent" not in cards["tiny-llama"]
+    assert card.status_code == 200 and card.json()["parent"] == "tiny-llama"
+    assert wide.status_code == 200 and base.status_code == 200, (wide.text, base.text)
+    assert wide.json()["model"] == "wide" and base.json()["model"] == "tiny-llama"
+    for answer, name in ((wide, "wide"), (base, None)):  # the library's text of that adapter
+        want = llm.generate([ids[1]], _sp(banned, name))[0]
+        assert list(want.token_ids) == reference[name][1]
+        assert answer.json()["choices"][0]["text"] == want.text, name
+    assert missing.status_code == 404
+    error = missing.json()["error"]
+    assert error["param"] == "model" and error["code"] == "model_not_found"
+    assert "'nope'" in error["message"]
+
+
+def test_serve_flag_parses_name_path_pairs():
+    from serving.server import lora_modules
+
+    assert lora_modules(["a=/x", "b=/y=z"]) == {"a": "/x", "b": "/y=z"}
+    assert lora_modules(None) is None
+    with pytest.raises(ValueError, match="^lora_modules: expected NAME=PATH"):
+        lora_modules(["nopath"])

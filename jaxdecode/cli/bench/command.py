@@ -9,7 +9,8 @@ import json
 import os
 import sys
 
-from jaxdecode.cli.bench import host, paged, report as report_mod, research, search, structured
+from jaxdecode.cli.bench import host, lora, paged, report as report_mod, research, search
+from jaxdecode.cli.bench import structured
 from jaxdecode.cli.bench import throughput
 from jaxdecode.cli.bench.configs import BENCH_CONFIGS, bench_model, hf_comparable, host_model
 from jaxdecode.cli.bench.timing import BenchConfig
@@ -56,6 +57,9 @@ def bench_arguments(b) -> None:
                    help="also the decode step over KV pages against a contiguous cache, and "
                         "the ITL of 8 streams while 2048-token prompts arrive, prefill in "
                         "chunks vs whole (issue #15)")
+    b.add_argument("--lora", action="store_true",
+                   help="also the decode step with 2 LoRA adapters (ranks 8 and 16, every "
+                        "projection) in the batch against none (issue #42)")
     b.add_argument("--json", help="write the report as JSON")
     b.add_argument("--report", metavar="DIR",
                    help="every section (HF side by side, time to first token, host cost, "
@@ -196,6 +200,10 @@ def _decode_sections(args, cfg: BenchConfig) -> tuple[dict, list]:
             report["paged"] = paged.time_paged(model, params, cfg.batches,
                                                repeats=max(cfg.repeats, 5))
             text.append(paged.format_paged_table(report["paged"]))
+        if args.lora:
+            report["lora"] = lora.time_lora(model, params, cfg.batches,
+                                            repeats=max(cfg.repeats, 5))
+            text.append(lora.format_lora_table(report["lora"]))
     return report, text
 
 
