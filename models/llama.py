@@ -84,13 +84,15 @@ class Llama(L.CachedDecoder):
         x = L.embed_rows(params["embed"], tokens)
         if hook is not None:  # hook points (model_api.hook_points)
             x = hook("embed", x)
-        def proj(i: int, name: str, h: Array) -> Array:
-            y = L.dense(h, params["layers"][i][name], tile)
-            return y if lora is None else lora.apply(i, name, h, y)
+        def proj(i: int, names: tuple, h: Array) -> list:
+            """The projections `names` of one input h, with the rows' adapter deltas."""
+            ys = {name: L.dense(h, params["layers"][i][name], tile) for name in names}
+            ys = ys if lora is None else lora.apply(i, ys, h)
+            return [ys[name] for name in names]
 
         for i, p in enumerate(params["layers"]):
             h = L.rms_norm(x, p["attn_norm"], c.rms_norm_eps, tile)
-            q, k, v = (proj(i, name, h) for name in ("q", "k", "v"))
+            q, k, v = proj(i, ("q", "k", "v"), h)
             if c.attention_bias:
                 q, k, v = q + p["q_bias"], k + p["k_bias"], v + p["v_bias"]
             q = q.reshape(b, t, c.num_heads, c.head_dim)
@@ -102,10 +104,10 @@ class Llama(L.CachedDecoder):
             k = L.apply_rope(k, positions, inv_freq, rope_scale)
             v = v.reshape(b, t, c.num_kv_heads, c.head_dim)
             attn = attend(i, q, k, v, c.sliding_window)
-            x = x + proj(i, "o", attn.reshape(b, t, -1))
+            x = x + proj(i, ("o",), attn.reshape(b, t, -1))[0]
             h = L.rms_norm(x, p["mlp_norm"], c.rms_norm_eps, tile)
-            mlp = jax.nn.silu(proj(i, "gate", h)) * proj(i, "up", h)
-            x = x + proj(i, "down", mlp)
+            gate, up = proj(i, ("gate", "up"), h)
+            x = x + proj(i, ("down",), jax.nn.silu(gate) * up)[0]
             if hook is not None:
                 x = hook(f"resid.{i}", x)
         x = L.rms_norm(x, params["final_norm"], c.rms_norm_eps, tile)

@@ -4,15 +4,19 @@ stack, applied per row in one program (docs/architecture.md "Adapters", contract
 `load_adapter` reads a PEFT LoRA directory (adapter_config.json + adapter_model.safetensors)
 into this family's layout: per layer and targeted projection (q/k/v/o_proj, gate/up/down_proj)
 A [in, r] and B [r, out] with the scale (lora_alpha / r, or / sqrt(r) with use_rslora) folded
-into B. `stack_adapters` puts up to `max_loras` of them side by side, zero padded to one rank R:
+into B. `stack_adapters` puts up to `max_loras` of them side by side, zero padded to one rank R,
+the targets that read one input grouped (GROUPS: q/k/v, o, gate/up, down):
 
     lora: {"slot": int32[max_loras * R]  -- the adapter index each column belongs to (1-based),
-           "layers": list of {target: {"a": [in, max_loras * R], "b": [max_loras * R, out]}}}
+           "layers": list of {"q+k+v": {"a": [in, n * max_loras * R],
+                                        "b": [n * max_loras * R, out_q + out_k + out_v]}, ...}}
 
-(targets no adapter touches in a layer are absent). A forward call with `adapters` int32[B]
-(0: the base model) adds, to each targeted projection y = x @ W of row b,
-((x @ a) * [slot == adapters[b]]) @ b: every row multiplies the whole stack, so rows of
-different adapters run in one program and a new selection never recompiles. Both products are
+per layer one entry per group, keyed by the targets of the group some adapter touches there
+(n of them): `a` their A stacks side by side, `b` their B stacks block-diagonally. A forward
+call with `adapters` int32[B] (0: the base model) adds, to each targeted projection y = x @ W
+of row b, its columns of ((x @ a) * [slot == adapters[b]]) @ b: every row multiplies the whole
+stack, so rows of different adapters run in one program and a new selection never recompiles,
+with two products per group (four groups: eight a layer, not fourteen). Both are
 `layers.dense` on the call's row tiles, so a row's delta, like its base product, does not
 depend on the other rows (X1); a base row's mask is all zero and its delta exactly 0.
 """
@@ -36,6 +40,7 @@ Array = jax.Array
 
 TARGETS = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "o_proj": "o",
            "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+GROUPS = (("q", "k", "v"), ("o",), ("gate", "up"), ("down",))  # the targets of one input
 _KEY = re.compile(r"(?:.*\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?"
                   r"\.weight")
 # adapter_config.json settings this loader cannot honour, with the value that is fine
@@ -117,38 +122,66 @@ def stack_adapters(adapters: list, params: dict, max_loras: int) -> dict:
     layers = []
     for i, base in enumerate(params["layers"]):
         layer = {}
-        for target in TARGETS.values():
-            if not any(target in a["layers"][i] for a in adapters):
-                continue
-            w_in, w_out = np.shape(base[target])
-            a_all = np.zeros((w_in, max_loras * rank), np.float32)
-            b_all = np.zeros((max_loras * rank, w_out), np.float32)
-            for j, adapter in enumerate(adapters):
-                if target in adapter["layers"][i]:
-                    a, b = adapter["layers"][i][target]
-                    a_all[:, j * rank:j * rank + a.shape[1]] = a
-                    b_all[j * rank:j * rank + b.shape[0]] = b
-            layer[target] = {"a": jnp.asarray(a_all, dtype), "b": jnp.asarray(b_all, dtype)}
+        for group in GROUPS:
+            targets = [t for t in group if any(t in a["layers"][i] for a in adapters)]
+            if targets:
+                a_all, b_all = zip(*(_target_stack(adapters, i, t, np.shape(base[t]), rank,
+                                                   max_loras) for t in targets))
+                layer["+".join(targets)] = {
+                    "a": jnp.asarray(np.concatenate(a_all, axis=1), dtype),
+                    "b": jnp.asarray(_block_diagonal(b_all), dtype)}
         layers.append(layer)
     slot = np.repeat(np.arange(1, max_loras + 1, dtype=np.int32), rank)
     return {"slot": jnp.asarray(slot), "layers": layers}
 
 
+def _target_stack(adapters: list, i: int, target: str, shape: tuple, rank: int,
+                  max_loras: int) -> tuple:
+    """(A f32[in, max_loras * rank], B f32[max_loras * rank, out]) of one target of layer i:
+    adapter j's at columns / rows [j * rank, (j + 1) * rank), zeros elsewhere."""
+    a_all = np.zeros((shape[0], max_loras * rank), np.float32)
+    b_all = np.zeros((max_loras * rank, shape[1]), np.float32)
+    for j, adapter in enumerate(adapters):
+        if target in adapter["layers"][i]:
+            a, b = adapter["layers"][i][target]
+            a_all[:, j * rank:j * rank + a.shape[1]] = a
+            b_all[j * rank:j * rank + b.shape[0]] = b
+    return a_all, b_all
+
+
+def _block_diagonal(blocks: tuple) -> np.ndarray:
+    out = np.zeros((sum(b.shape[0] for b in blocks), sum(b.shape[1] for b in blocks)),
+                   np.float32)
+    r = c = 0
+    for b in blocks:
+        out[r:r + b.shape[0], c:c + b.shape[1]] = b
+        r, c = r + b.shape[0], c + b.shape[1]
+    return out
+
+
 class RowAdapters:
     """The adapters of one forward call's rows: `stack` (params["lora"]), `index` int32[B] (0:
-    the base) and the call's tiles; `apply(i, target, x, y)` is y plus row b's delta."""
+    the base) and the call's tiles; `apply(i, ys, x)` adds to the base outputs `ys` {target:
+    y} of one group's input x the rows' deltas."""
 
     def __init__(self, stack: dict, index: Array, tile: Optional[Any]):
         self.layers, self.tile = stack["layers"], tile
         self.mask = (index[:, None] == stack["slot"][None, :])[:, None, :]  # [B, 1, L*R]
 
-    def apply(self, i: int, target: str, x: Array, y: Array) -> Array:
-        w = self.layers[i].get(target)
-        if w is None:
-            return y
+    def apply(self, i: int, ys: dict, x: Array) -> dict:
+        key = next((k for k in self.layers[i] if k.split("+")[0] in ys), None)
+        if key is None:
+            return ys
+        w, targets = self.layers[i][key], key.split("+")
         shrunk = L.dense(x, w["a"], self.tile)
-        shrunk = jnp.where(self.mask, shrunk, jnp.zeros((), shrunk.dtype))
-        return y + L.dense(shrunk, w["b"], self.tile).astype(y.dtype)
+        mask = jnp.tile(self.mask, (1, 1, len(targets)))
+        shrunk = jnp.where(mask, shrunk, jnp.zeros((), shrunk.dtype))
+        delta = L.dense(shrunk, w["b"], self.tile)
+        ends = np.cumsum([ys[t].shape[-1] for t in targets])[:-1]
+        out = dict(ys)
+        for t, d in zip(targets, jnp.split(delta, ends, axis=-1)):
+            out[t] = ys[t] + d.astype(ys[t].dtype)
+        return out
 
 
 def adapters_of(params: dict, adapters: Optional[Array], tile: Optional[Any]

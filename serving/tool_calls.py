@@ -10,9 +10,12 @@
               ``"arguments"``), the rest stays ``content``; a block that does not parse, or
               names no tool, stays text. Or Llama 3's JSON: the whole output, after an
               optional ``<|python_tag|>``, is ``{"name": N, "parameters": A}`` naming a tool
-              (streaming holds an output that begins ``{`` or the tag until its end). Auto
-              calls are parsed, not constrained. Mistral's ``[TOOL_CALLS]`` is not parsed (a
-              special token in its tokenizers, which the detokenizer skips).
+              (streaming holds an output that begins ``{`` or the tag until its end). Or
+              Mistral's: the whole output is ``[TOOL_CALLS] [{"name": N, "arguments": A},
+              ...]`` (the marker may be missing: the detokenizer skips it where it is a
+              special token) or ``[TOOL_CALLS]N[ARGS]A`` once per call (streaming holds an
+              output that begins ``[`` until its end). Auto calls are parsed, not
+              constrained.
 
 A call is ``{"id": "call_...", "type": "function", "function": {"name", "arguments": <JSON
 string>}}``; ``content`` is null when the message is calls only (auto: or only whitespace).
@@ -35,6 +38,7 @@ from serving.tools import ToolPlan, call_id
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
+MISTRAL_TAG, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
 _HERMES = re.compile(re.escape(HERMES_OPEN) + r"(.*?)" + re.escape(HERMES_CLOSE), re.DOTALL)
 _REQUIRED_PREFIX = '{"name":"'
 _REQUIRED_ARGS = '","arguments":'
@@ -52,6 +56,12 @@ def hermes_call(plan: ToolPlan, body: str) -> Optional[tuple[str, str]]:
         obj = json.loads(body)
     except ValueError:
         return None
+    return object_call(plan, obj)
+
+
+def object_call(plan: ToolPlan, obj: Any) -> Optional[tuple[str, str]]:
+    """(name, arguments JSON) of a parsed ``{"name": N, "arguments" | "parameters": A}``
+    naming one of the plan's tools (A an object or a JSON string), else None."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     if plan.tool(obj["name"]) is None:
@@ -72,10 +82,44 @@ def llama3_call(plan: ToolPlan, text: str) -> Optional[tuple[str, str]]:
     return hermes_call(plan, body) if body.startswith("{") else None
 
 
+def mistral_calls(plan: ToolPlan, text: str) -> Optional[list]:
+    """Mistral's formats (module docstring): the calls of the whole output, or None unless
+    every call in it names one of the tools."""
+    body = text.strip()
+    tagged = body.startswith(MISTRAL_TAG)
+    body = body.removeprefix(MISTRAL_TAG).strip()
+    if body.startswith("["):  # the JSON list
+        try:
+            objs = json.loads(body)
+        except ValueError:
+            return None
+        calls = [object_call(plan, o) for o in objs] if isinstance(objs, list) else []
+        return calls if calls and None not in calls else None
+    if not tagged:
+        return None
+    calls = []
+    for part in body.split(MISTRAL_TAG):  # N[ARGS]A per call
+        name, sep, args = part.partition(MISTRAL_ARGS)
+        try:
+            parsed = object_call(plan, {"name": name.strip(), "arguments": json.loads(args)})
+        except ValueError:
+            return None
+        if not sep or parsed is None:
+            return None
+        calls.append(parsed)
+    return calls
+
+
+def whole_output_calls(plan: ToolPlan, text: str) -> Optional[list]:
+    """The calls of an auto output that is one call as a whole: Llama 3's, or Mistral's."""
+    parsed = llama3_call(plan, text)
+    return [parsed] if parsed is not None else mistral_calls(plan, text)
+
+
 def whole_output_format(head: str) -> Optional[bool]:
-    """Whether an auto output that begins with `head` (stripped) may be a Llama 3 call (held
-    until the end); None while `head` could still begin ``<|python_tag|>``."""
-    if head.startswith("{") or head.startswith(PYTHON_TAG):
+    """Whether an auto output that begins with `head` (stripped) may be a Llama 3 or Mistral
+    call (held until the end); None while `head` could still begin ``<|python_tag|>``."""
+    if head.startswith(("{", "[", PYTHON_TAG)):
         return True
     return None if PYTHON_TAG.startswith(head) else False
 
@@ -109,8 +153,8 @@ def final_message(plan: ToolPlan, text: str, complete: bool) -> tuple[dict, bool
         name, args = split_required(text)
         if name is not None:
             calls, content = [call(name, args[:-1] if complete else args)], None
-    elif plan.mode == "auto" and (parsed := llama3_call(plan, text)) is not None:
-        calls, content = [call(*parsed)], None
+    elif plan.mode == "auto" and (whole := whole_output_calls(plan, text)) is not None:
+        calls, content = [call(*c) for c in whole], None
     elif plan.mode == "auto":
         pieces, last = [], 0
         for m in _HERMES.finditer(text):
@@ -138,7 +182,7 @@ class ToolStream:
         self.buffer = ""       # required: the whole text; auto: the unsent tail
         self.sent = 0          # required: argument characters sent
         self.calls = 0         # calls opened so far
-        self.whole: Optional[bool] = None  # auto: held whole as a possible Llama 3 call
+        self.whole: Optional[bool] = None  # auto: held whole (a possible Llama 3 / Mistral call)
 
     def opening(self) -> dict:
         return {"role": "assistant", "content": None if self.plan.constrained else ""}
@@ -194,10 +238,10 @@ class ToolStream:
             self.whole = whole_output_format(head) if head else None
             if not final and self.whole is not False:
                 return {}
-            parsed = llama3_call(self.plan, self.buffer) if final else None
-            if parsed is not None:
+            whole = whole_output_calls(self.plan, self.buffer) if final else None
+            if whole is not None:
                 self.buffer = ""
-                return {"tool_calls": [self._piece(*parsed)]}
+                return {"tool_calls": [self._piece(*c) for c in whole]}
             self.whole = False
         content, calls = [], []
         while True:

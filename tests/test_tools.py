@@ -226,6 +226,10 @@ def _replay(plan, text, cuts, complete=True):
     return content, calls
 
 
+MISTRAL_LIST = ('[TOOL_CALLS] [{"name": "add", "arguments": {"a": 1, "b": 2}}, '
+                '{"name": "get_weather", "arguments": {"city": "Rome"}}]')
+MISTRAL_ARGS_FORM = ('[TOOL_CALLS]add[ARGS]{"a": 1, "b": 2}'
+                     '[TOOL_CALLS]get_weather[ARGS]{"city": "Rome"}')
 AUTO_TEXTS = [HERMES, "no call at all <tool_c", "<tool_call>not json</tool_call> then",
               HERMES + "\n" + HERMES.replace("Sure. ", "") + " done",
               '<tool_call>{"name": "unknown", "arguments": {}}</tool_call>',
@@ -236,10 +240,30 @@ AUTO_TEXTS = [HERMES, "no call at all <tool_c", "<tool_call>not json</tool_call>
               '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Rome"}}',
               '{"name": "unknown", "parameters": {}}', '{"a": 1} and more', "<|pyth", "  ",
               '<|python_tag|> not json', '{"name": "add", "arguments": {}} <tool_call>'
-              '{"name": "add", "arguments": {"a": 2}}</tool_call>']
+              '{"name": "add", "arguments": {"a": 2}}</tool_call>',
+              # Mistral: [TOOL_CALLS] and a JSON list (the marker may be skipped), or
+              # [TOOL_CALLS]name[ARGS]{...} per call
+              MISTRAL_LIST, MISTRAL_LIST.removeprefix("[TOOL_CALLS] "), MISTRAL_ARGS_FORM,
+              '[TOOL_CALLS] [{"name": "unknown", "arguments": {}}]', "[1] a footnote",
+              '[TOOL_CALLS]add[ARGS]not json', '[TOOL_CALLS]add{"a": 1}', "[TOOL_CAL"]
 
 
-@settings(max_examples=60, deadline=None)
+def test_auto_reads_both_mistral_formats():
+    """Mistral's list and [ARGS] forms give the same two calls; a call naming no tool, or
+    arguments that are not JSON, leave the whole output as text."""
+    want = [("add", '{"a": 1, "b": 2}'), ("get_weather", '{"city": "Rome"}')]
+    for text in (MISTRAL_LIST, MISTRAL_LIST.removeprefix("[TOOL_CALLS] "), MISTRAL_ARGS_FORM):
+        message, has_calls = final_message(PLAN, text, complete=True)
+        assert has_calls and message["content"] is None, text
+        assert [(c["function"]["name"], c["function"]["arguments"])
+                for c in message["tool_calls"]] == want
+    for text in ('[TOOL_CALLS] [{"name": "unknown", "arguments": {}}]',
+                 "[TOOL_CALLS]add[ARGS]not json", "[1] a footnote"):
+        message, has_calls = final_message(PLAN, text, complete=True)
+        assert not has_calls and message["content"] == text
+
+
+@settings(max_examples=80, deadline=None)
 @given(st.sampled_from(AUTO_TEXTS), st.lists(st.integers(0, 200), max_size=12))
 def test_auto_stream_under_any_chunking_equals_the_final_message(text, cuts):
     """Hermes blocks and Llama 3 JSON outputs, cut anywhere: the streamed calls and text equal
