@@ -72,3 +72,18 @@ def test_gemma_512_named_config_is_what_its_hf_config_loads_as(tmp_path):
     ours = named_model("gemma-512").config
     assert ours == dataclasses.replace(loaded, eos_token_ids=ours.eos_token_ids)
     assert ours.sliding_window == 512 and ours.attn_logit_softcapping == 50.0
+
+
+def test_lora_section_times_two_adapters_beside_none(tmp_path):
+    """`bench --lora`: per batch, the step with no adapter and with two (ranks 8 and 16) in
+    the batch, side by side, compiling nothing after its warm-up round."""
+    from jaxdecode.cli.bench import lora
+    from jaxdecode.cli.bench.configs import bench_model
+
+    model, params, _ = bench_model("llama-tiny", False, str(tmp_path))
+    report = lora.time_lora(model, params, batches=(1, 2), steps=2, repeats=1)
+    assert report["ranks"] == [8, 16] and [r["batch"] for r in report["rows"]] == [1, 2]
+    for row in report["rows"]:
+        assert row["none_step_ms"] > 0 and row["lora_step_ms"] > 0
+        assert row["compiles_after_warmup"] == 0
+    assert "2 adapters" in lora.format_lora_table(report)
