@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional, Sequence
 
-from jaxdecode import invariance
+from jaxdecode import invariance, kv_int8
 from jaxdecode.device import constraints, decode
 from jaxdecode.tokenization import eos_token_id
 
@@ -89,6 +89,7 @@ class EngineConfig:
     decode_steps: Optional[int] = None
     row_tile: Optional[int] = None
     batch_invariant: bool = True
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self):
         _integer("max_slots", self.max_slots)
@@ -98,6 +99,7 @@ class EngineConfig:
             _integer(name, getattr(self, name))
         if self.decode_steps is not None:
             _integer("decode_steps", self.decode_steps, 1, decode.MAX_STEPS_PER_CALL)
+        kv_int8.check(self.kv_cache_dtype)
         self.kv  # noqa: B018 (validates the KV settings)
 
     @property
