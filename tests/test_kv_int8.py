@@ -225,3 +225,31 @@ def test_int8_kv_save_and_restore_continue_byte_for_byte(demo, tmp_path):
     with jd.LLM(model, params, tok, max_slots=2, max_len=256) as llm:
         with pytest.raises(ValueError, match="^path: .*kv_cache_dtype"):
             llm.restore_request(str(tmp_path / "saved"))
+
+
+def test_server_with_int8_weights_and_int8_kv_serves_and_replays(tmp_path):
+    """`serve --quantization int8 --kv-cache-dtype int8 --record-dir`: a completion is served,
+    its record pins both settings, and `jaxdecode replay` rebuilds them and is identical."""
+    import os
+    import subprocess
+    import sys
+
+    import httpx
+
+    from tests.serve_process import ROOT, serve
+
+    records = tmp_path / "records"
+    with serve(tmp_path / "serve.log", "--quantization", "int8", "--kv-cache-dtype", "int8",
+               "--max-slots", "2", "--max-len", "256", "--record-dir", str(records)) as (_, url):
+        r = httpx.post(url + "/v1/completions", json={
+            "model": "demo", "prompt": "def fibonacci(n):", "max_tokens": 8, "seed": 5,
+            "temperature": 0.7}, timeout=120)
+        assert r.status_code == 200, r.text
+    (path,) = records.glob("*.json")
+    record = jd.GenerationRecord.load(str(path))
+    assert record.data["model"]["quantization"] == "int8"
+    assert record.data["layout"]["kv_cache_dtype"] == "int8" and len(record.token_ids) == 8
+    out = subprocess.run([sys.executable, "-m", "jaxdecode.cli", "replay", str(path)], cwd=ROOT,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu"),
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "identical" in out.stdout, out.stdout + out.stderr

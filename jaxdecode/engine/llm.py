@@ -52,7 +52,9 @@ class LLM:
     `invariance.ROW_TILE` by default). Wider tiles make full batches faster and a lone row
     slower; a row's tokens are invariant for one tile, not across two, and records pin it
     (docs/batch_invariance.md "Row tiles as a setting"); `batch_invariant=False`: the model and
-    its draft on XLA's plain numerics (X1 not kept; records say `"mode": "none"`)."""
+    its draft on XLA's plain numerics (X1 not kept; records say `"mode": "none"`);
+    `kv_cache_dtype`: "auto" (the weights' dtype) or "int8" (the page pools as int8 codes with a
+    scale per (token, kv head), jaxdecode/kv_int8.py; records pin it)."""
 
     def __init__(self, model: DecoderModel, params: Any, tokenizer: Any,
                  config: Optional[EngineConfig] = None, *, mesh: Optional[Any] = None,
