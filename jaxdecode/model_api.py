@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from jaxdecode import kv_int8
+
 Array = jax.Array
 
 
@@ -89,6 +91,9 @@ class PagedKVCache:
                 pages point at any valid page (page 0, never allocated): they are read only
                 past the row's length, where attention masks them
     lengths:    int32[batch] -- one past the last written position of each row
+    k_scale, v_scale: where the pool is int8 (`LLM(kv_cache_dtype="int8")`, jaxdecode/kv_int8.py),
+                the scales [kv_heads, layers, num_pages, page_size] of its codes, one per
+                (token, kv head): `write` quantizes, the reads dequantize; None for a float pool
     max_len:    positions per row (static; at most pages_per_row * page_size)
 
     Pages hold no row identity: several rows may map the same page (samples sharing a prompt,
@@ -101,16 +106,28 @@ class PagedKVCache:
     v: Array
     page_table: Array
     lengths: Array
+    k_scale: Optional[Array] = None
+    v_scale: Optional[Array] = None
     max_len: int = struct.field(pytree_node=False, default=0)
 
     @classmethod
     def zeros(cls, num_layers: int, num_kv_heads: int, num_pages: int, page_size: int,
               head_dim: int, batch: int, max_len: int,
               dtype: Any = jnp.float32) -> "PagedKVCache":
+        """An empty pool of `dtype` (jnp.int8: int8 codes with their scales)."""
         shape = (num_kv_heads, num_layers, num_pages, page_size, head_dim)
         return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
                    page_table=jnp.zeros((batch, -(-max_len // page_size)), jnp.int32),
-                   lengths=jnp.zeros((batch,), jnp.int32), max_len=max_len)
+                   lengths=jnp.zeros((batch,), jnp.int32),
+                   k_scale=kv_int8.scales_for(shape, dtype),
+                   v_scale=kv_int8.scales_for(shape, dtype), max_len=max_len)
+
+    @property
+    def pools(self) -> dict:
+        """The page-pool fields (pages on axis 2): k, v and, where int8, their scales -- what
+        a page copy, a branch pick or a saved row moves."""
+        names = ("k", "v") if self.k_scale is None else ("k", "v", "k_scale", "v_scale")
+        return {name: getattr(self, name) for name in names}
 
     @property
     def page_size(self) -> int:
@@ -134,29 +151,46 @@ class PagedKVCache:
                                    axis=1)
         page = jnp.where(positions < self.max_len, slot, self.num_pages)[:, :, None]
         offset = (positions % ps)[:, :, None]
-        heads = jnp.arange(kvh)[None, None, :]
-        return self.replace(
-            k=self.k.at[heads, layer, page, offset].set(k.astype(self.k.dtype), mode="drop"),
-            v=self.v.at[heads, layer, page, offset].set(v.astype(self.v.dtype), mode="drop"))
+        at = (jnp.arange(kvh)[None, None, :], layer, page, offset)
+        if self.k_scale is None:
+            return self.replace(k=self.k.at[at].set(k.astype(self.k.dtype), mode="drop"),
+                                v=self.v.at[at].set(v.astype(self.v.dtype), mode="drop"))
+        (qk, sk), (qv, sv) = kv_int8.quantize(k), kv_int8.quantize(v)
+        return self.replace(k=self.k.at[at].set(qk, mode="drop"),
+                            v=self.v.at[at].set(qv, mode="drop"),
+                            k_scale=self.k_scale.at[at].set(sk, mode="drop"),
+                            v_scale=self.v_scale.at[at].set(sv, mode="drop"))
 
     def kernel_pool(self, layer: int, pages: int) -> tuple[Array, Array, Array]:
         """(keys, values, page table) as a paged-attention kernel reads layer `layer`: the
         pools reshaped to [kv_heads, layers * num_pages, page_size, head_dim] (a bitcast, no
-        copy) and the rows' first `pages` table entries offset to that layer's pages."""
-        flat = lambda pool: pool.reshape((pool.shape[0], -1) + pool.shape[3:])  # noqa: E731
-        return flat(self.k), flat(self.v), self.page_table[:, :pages] + layer * self.num_pages
+        copy) and the rows' first `pages` table entries offset to that layer's pages. An int8
+        pool's scales in the same layout: `kernel_scales`."""
+        return (_flat(self.k), _flat(self.v),
+                self.page_table[:, :pages] + layer * self.num_pages)
+
+    def kernel_scales(self) -> tuple[Optional[Array], Optional[Array]]:
+        """An int8 pool's scales as [kv_heads, layers * num_pages, page_size] (None, None for
+        a float pool)."""
+        if self.k_scale is None:
+            return None, None
+        return _flat(self.k_scale), _flat(self.v_scale)
 
     def read(self, layer: int, kv_len: int) -> tuple[Array, Array]:
         """Keys and values [B, kv_heads, kv_len, head_dim] of positions [0, kv_len): each
-        row's first pages gathered (kv_len a multiple of the page size)."""
+        row's first pages gathered (kv_len a multiple of the page size), dequantized where
+        the pool is int8."""
         k, v, pages = self.kernel_pool(layer, -(-kv_len // self.page_size))
+        ks, vs = self.kernel_scales()
 
         def gather(pool):
-            x = jnp.take(pool, pages, axis=1)                   # [kvh, B, n, ps, hd]
-            x = x.transpose(1, 0, 2, 3, 4)
-            return x.reshape(x.shape[:2] + (-1, x.shape[-1]))[:, :, :kv_len]
+            if pool is None:
+                return None
+            x = jnp.moveaxis(jnp.take(pool, pages, axis=1), 1, 0)   # [B, kvh, n, ps, ...]
+            return x.reshape(x.shape[:2] + (-1,) + x.shape[4:])[:, :, :kv_len]
 
-        return gather(k), gather(v)
+        return (kv_int8.dequantize(gather(k), gather(ks)),
+                kv_int8.dequantize(gather(v), gather(vs)))
 
     def read_positions(self, layer: int, index: Array) -> tuple[Array, Array]:
         """Keys and values [B, kv_heads, S, head_dim] at positions index int32[B, S] of each row,
@@ -167,9 +201,15 @@ class PagedKVCache:
         offset = index % self.page_size
 
         def gather(pool):
-            return pool[:, layer, page, offset].transpose(1, 0, 2, 3)  # [B, kvh, S, hd]
+            return None if pool is None else jnp.moveaxis(pool[:, layer, page, offset], 1, 0)
 
-        return gather(self.k), gather(self.v)
+        return (kv_int8.dequantize(gather(self.k), gather(self.k_scale)),    # [B, kvh, S, hd]
+                kv_int8.dequantize(gather(self.v), gather(self.v_scale)))
+
+
+def _flat(pool: Array) -> Array:
+    """[kv_heads, layers, pages, ...] -> [kv_heads, layers * pages, ...] (a bitcast)."""
+    return pool.reshape((pool.shape[0], -1) + pool.shape[3:])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -263,6 +303,7 @@ CACHE_RULES: tuple = (
     (r"cache/lengths", ("data",)),                           # [batch]
     # PagedKVCache: pages hold no row, so the pool shards by kv head only
     (r"paged/(k|v)", ("model", None, None, None, None)),    # [kv_heads, layers, pages, ps, hd]
+    (r"paged/(k|v)_scale", ("model", None, None, None)),    # [kv_heads, layers, pages, ps]
     (r"paged/(page_table|lengths)", ("data",)),             # [batch, ...]
 )
 
@@ -302,7 +343,8 @@ def cache_sharding(mesh: Any, cache: Any) -> Any:
         spec = match_rules(CACHE_RULES, f"{prefix}/{name}")
         return jax.sharding.NamedSharding(mesh, fit_spec(spec or (), leaf.shape, mesh))
 
-    fields = ("k", "v", "page_table", "lengths") if prefix == "paged" else ("k", "v", "lengths")
+    fields = ((*cache.pools, "page_table", "lengths") if prefix == "paged"
+              else ("k", "v", "lengths"))
     return cache.replace(**{name: one(name, getattr(cache, name)) for name in fields})
 
 

@@ -221,6 +221,11 @@ def environment_differences(record: GenerationRecord, llm: Any) -> list:
         out.append(f"quantization: recorded {was_q!r}, now {now_q!r} (load the model with "
                    "quantization= as recorded)")
     out.extend(lora_differences(record, llm))
+    was_kv = record.data.get("layout", {}).get("kv_cache_dtype", "auto")
+    now_kv = getattr(getattr(llm, "config", None), "kv_cache_dtype", "auto")
+    if was_kv != now_kv:
+        out.append(f"kv_cache_dtype: recorded {was_kv!r}, now {now_kv!r} (replay with "
+                   "LLM(kv_cache_dtype=...) as recorded)")
     if record.data["tokenizer"]["hash"] != llm.tokenizer_hash:
         out.append("tokenizer: differs from the recorded snapshot hash")
     was, now = (record.data.get("batch_invariance") or {},

@@ -14,6 +14,12 @@ nothing is gathered or copied first; queries go in pre-scaled (neither kernel sc
   it is not used because Pallas' TPU interpreter (jax 0.10.2) cannot run it, so it could not be
   tested anywhere but on a TPU, and the paged kernel needs no second pool layout.
 
+An int8 pool (`LLM(kv_cache_dtype="int8")`, jaxdecode/kv_int8.py) goes in as it is too, with
+its scales (`PagedKVCache.kernel_scales`): the GPU kernel takes them as `k_scales_pages` /
+`v_scales_pages` (scale times code, as the pool means them); the TPU kernel as jax's
+`QuantizedTensor`, whose scales mean `max / 127.5`, so ours go in times 127.5 (an elementwise
+product over the scale pool, head_dim times smaller than the pool).
+
 Neither kernel promises batch invariance (docs/batch_invariance.md: accelerators). Both run in
 Pallas interpret mode on the CPU (`interpret=True`: the GPU kernel's interpreter, the TPU
 kernel under `pltpu.force_tpu_interpret_mode`), which tests use to compare them with the XLA
@@ -61,7 +67,8 @@ def gpu_decode(q: Array, cache: PagedKVCache, layer: int, lengths: Array, kv_len
 
     q, k, v, table, pages = _inputs(q, cache, layer, kv_len, scale)
     splits = _splits(pages)
-    out = paged_attention(q, k, v, table, lengths.astype(jnp.int32), k_splits=splits,
+    ks, vs = cache.kernel_scales()
+    out = paged_attention(q, k, v, table, lengths.astype(jnp.int32), ks, vs, k_splits=splits,
                           pages_per_compute_block=min(8, pages // splits), interpret=interpret)
     return out[:, None]
 
@@ -71,8 +78,14 @@ def tpu_decode(q: Array, cache: PagedKVCache, layer: int, lengths: Array, kv_len
     """q [B, 1, H, D] -> [B, 1, H, D] over the first `lengths[b]` keys of each row."""
     from jax.experimental.pallas import tpu as pltpu
     from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
+    from jax.experimental.pallas.ops.tpu.paged_attention.quantization_utils import (
+        MAX_INT8, QuantizedTensor)
 
     q, k, v, table, pages = _inputs(q, cache, layer, kv_len, scale)
+    ks, vs = cache.kernel_scales()
+    if ks is not None:  # jax's QuantizedTensor: value = code * scales / 127.5
+        k, v = (QuantizedTensor(x, s.astype(jnp.float32)[..., None] * MAX_INT8)
+                for x, s in ((k, ks), (v, vs)))
     # interpret: the TPU kernel itself under Pallas' TPU interpreter (runs on CPU)
     with pltpu.force_tpu_interpret_mode() if interpret else contextlib.nullcontext():
         out = paged_attention(q, k, v, lengths.astype(jnp.int32), table,

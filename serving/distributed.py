@@ -128,14 +128,16 @@ def _sum_over_processes(mesh: Mesh):
 def run_follower(model: Any, params: Any, channel: Any, *, max_slots: int, max_len: int,
                  eos_token_ids: Sequence[int], mesh: Optional[Any] = None,
                  observe: Optional[Callable[[step_ops.StepOp, Any], None]] = None,
-                 pages: Optional[int] = None, page_size: int = 16) -> int:
+                 pages: Optional[int] = None, page_size: int = 16,
+                 kv_cache_dtype: str = "auto") -> int:
     """Apply the leader's ops to this process's state until STOP; returns the ops applied.
 
     The context equals the leader's (`LLM(..., step_hook=)`: outputs replicated). A failing op
     is logged and the loop goes on: the leader meets the same failure and sends RESET.
     `observe(op, output)` sees each applied op (tests compare step outputs with the leader's)."""
     ctx = runner.Context(model, params, max_slots, max_len, tuple(eos_token_ids), mesh,
-                         replicate_outputs=True, pages=pages, page_size=page_size)
+                         replicate_outputs=True, pages=pages, page_size=page_size,
+                         kv_cache_dtype=kv_cache_dtype)
     state, applied = None, 0
     while True:
         op = channel.receive()

@@ -104,6 +104,15 @@ def add_quantization_argument(p: Any) -> None:
                         "products dequantize in the step; records pin it, replay rebuilds it)")
 
 
+def add_kv_cache_dtype_argument(p: Any) -> None:
+    """`generate`, `serve` and `bench`: the KV cache's dtype (contract §12, KV cache
+    quantization)."""
+    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8"),
+                   help="int8: keys and values as int8 with a scale per (token, kv head), "
+                        "about half the bytes of bf16 (auto: the weights' dtype; records pin "
+                        "it, replay rebuilds it)")
+
+
 def add_speculative_arguments(p: Any) -> None:
     """`generate` and `serve`: speculative decoding (contract §10, docs/decoding.md)."""
     p.add_argument("--speculative", default=None, metavar="prompt_lookup|demo-draft|DIR",

@@ -36,19 +36,22 @@ LIMIT_FLAGS = (
 
 
 def kv_options(args: Any, model: Any, params: Any, speculative: Optional[dict]) -> dict:
-    """The engine's KV options from --page-size, --prefill-chunk, --kv-cache-memory and
-    --no-prefix-cache: the memory budget in bytes becomes a number of pages (keys and values
-    of every layer, the draft's too; ValueError naming kv_cache_memory when it holds none)."""
+    """The engine's KV options from --page-size, --prefill-chunk, --kv-cache-memory,
+    --kv-cache-dtype and --no-prefix-cache: the memory budget in bytes becomes a number of
+    pages (keys and values of every layer -- int8 codes and their scales with --kv-cache-dtype
+    int8 -- the draft's too; ValueError naming kv_cache_memory when it holds none)."""
     from jaxdecode.model_api import params_dtype
 
     page_size = args.page_size
     options = {"page_size": page_size, "prefix_cache": not args.no_prefix_cache,
-               "prefill_chunk": None if args.prefill_chunk == 0 else args.prefill_chunk}
+               "prefill_chunk": None if args.prefill_chunk == 0 else args.prefill_chunk,
+               "kv_cache_dtype": args.kv_cache_dtype}
     if args.kv_cache_memory is not None:
-        per_page = kv_page_bytes(model, params_dtype(params), page_size)
+        kv_dtype = args.kv_cache_dtype
+        per_page = kv_page_bytes(model, params_dtype(params), page_size, kv_dtype)
         draft = (speculative or {}).get("draft")
         if isinstance(draft, tuple):
-            per_page += kv_page_bytes(draft[0], params_dtype(draft[1]), page_size)
+            per_page += kv_page_bytes(draft[0], params_dtype(draft[1]), page_size, kv_dtype)
         pages = args.kv_cache_memory // per_page
         if pages < 1:
             raise ValueError(f"kv_cache_memory: {args.kv_cache_memory} bytes hold no page of "
@@ -57,12 +60,15 @@ def kv_options(args: Any, model: Any, params: Any, speculative: Optional[dict]) 
     return options
 
 
-def kv_page_bytes(model: Any, dtype: Any, page_size: int) -> int:
-    """Bytes of one KV page: keys and values of every layer and kv head."""
-    import numpy as np
+def kv_page_bytes(model: Any, dtype: Any, page_size: int, kv_cache_dtype: str = "auto") -> int:
+    """Bytes of one KV page: keys and values of every layer and kv head, in the weights'
+    `dtype` or, with `kv_cache_dtype` "int8", int8 codes and their scales
+    (jaxdecode/kv_int8.py)."""
+    from jaxdecode import kv_int8
 
     c = model.config
-    return 2 * c.num_layers * c.num_kv_heads * page_size * c.head_dim * np.dtype(dtype).itemsize
+    return page_size * kv_int8.position_bytes(c.num_layers, c.num_kv_heads, c.head_dim,
+                                              kv_int8.pool_dtype(kv_cache_dtype, dtype))
 
 
 def serve_app(app: Any, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
@@ -212,7 +218,8 @@ def main(args: Any) -> int:
         log_event("follower.start", process=jax.process_index(), devices=jax.device_count())
         applied = dist.run_follower(llm.model, params, hook, max_slots=llm.max_slots,
                                     max_len=llm.max_len, eos_token_ids=llm.eos_token_ids,
-                                    mesh=mesh, pages=llm.kv.pages, page_size=llm.kv.page_size)
+                                    mesh=mesh, pages=llm.kv.pages, page_size=llm.kv.page_size,
+                                    kv_cache_dtype=llm.config.kv_cache_dtype)
         log_event("follower.stop", process=jax.process_index(), ops=applied)
         return 0
     if args.warmup is not None:
@@ -247,8 +254,8 @@ def positive_int(text: str) -> int:
 def add_arguments(p: Any) -> None:
     """The server's flags, speculative decoding's included: `jaxdecode serve` and
     `python -m serving` (serving/__main__.py) take the same."""
-    from serving.loading import (add_batch_invariance_argument, add_quantization_argument,
-                                 add_speculative_arguments)
+    from serving.loading import (add_batch_invariance_argument, add_kv_cache_dtype_argument,
+                                 add_quantization_argument, add_speculative_arguments)
 
     p.add_argument("--model", default="demo", help="a local HF checkpoint directory, or 'demo'")
     _add_http_arguments(p)
@@ -259,6 +266,7 @@ def add_arguments(p: Any) -> None:
     add_speculative_arguments(p)
     add_batch_invariance_argument(p)
     add_quantization_argument(p)
+    add_kv_cache_dtype_argument(p)
 
 
 def _add_engine_arguments(p: Any) -> None:

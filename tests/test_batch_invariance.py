@@ -157,13 +157,14 @@ def test_invariance_device_loop_tokens_and_logprobs_at_every_batch_size(family, 
 
 # -- the engine's device path (step_ops: what jd.LLM runs) at several max_slots ----------------
 
-def _engine_logits(model, params, max_slots, max_len, probe, neighbours, slot):
+def _engine_logits(model, params, max_slots, max_len, probe, neighbours, slot,
+                   kv_cache_dtype="auto"):
     """Admit `probe` into `slot` with `neighbours` in the other slots (as the engine admits
     them: each prompt's chunks into its own pages, CHUNK ops), then STEPS decode steps with the
-    engine's attention bucket rule. Returns the probe row's logits after the prefill and after
-    each step."""
+    engine's attention bucket rule, over a page pool of `kv_cache_dtype`. Returns the probe
+    row's logits after the prefill and after each step."""
     eos = model.config.eos_token_ids
-    ctx = runner.Context(model, params, max_slots, max_len, eos)
+    ctx = runner.Context(model, params, max_slots, max_len, eos, kv_cache_dtype=kv_cache_dtype)
     state, _ = runner.apply(ctx, None, step_ops.init(max_slots, max_len, eos, ctx.num_pages,
                                                        ctx.page_size))
     prompts = [probe] + neighbours[:max_slots - 1]

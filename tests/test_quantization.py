@@ -185,7 +185,13 @@ def test_bench_quality_section_runs_and_its_numbers_are_sane(tmp_path):
     loss = report["loss_nats_per_token"]
     assert all(np.isfinite(v) and 0 < v < np.log(4096) for v in loss.values()), loss
     assert report["loss_increase"] == pytest.approx(loss["int8"] - loss["float"])
-    assert report["prompts"] == 16 and 0 <= report["first_token_agreement"] <= 16
+    assert set(loss) == {"float", "int8", "int8_kv", "int8_both"}   # the int8 KV cache too
+    assert report["loss_increase_kv"] == pytest.approx(loss["int8_kv"] - loss["float"])
+    assert report["loss_increase_both"] == pytest.approx(loss["int8_both"] - loss["float"])
+    assert loss["int8_kv"] != loss["float"]   # the quantized keys and values were read
+    for key in ("first_token_agreement", "first_token_agreement_kv",
+                "first_token_agreement_both"):
+        assert report["prompts"] == 16 and 0 <= report[key] <= 16
     assert report["held_out_tokens"] == 4096 and "first greedy token agrees" in out.stdout
     bad = _cli("bench", "--quality", "--batch", "4")
     assert bad.returncode != 0 and "--batch" in bad.stderr

@@ -8,9 +8,9 @@ import json
 import sys
 import time
 
-from serving.loading import (add_batch_invariance_argument, add_quantization_argument,
-                             add_speculative_arguments, flag_error, load_model,
-                             speculative_from_args)
+from serving.loading import (add_batch_invariance_argument, add_kv_cache_dtype_argument,
+                             add_quantization_argument, add_speculative_arguments, flag_error,
+                             load_model, speculative_from_args)
 
 
 def sampling_from_args(args):
@@ -58,7 +58,8 @@ def cmd_generate(args) -> int:
     try:
         with LLM(model, params, tokenizer, max_slots=1, max_len=max_len,
                  model_source=args.model, speculative=speculative,
-                 batch_invariant=args.batch_invariant) as llm:
+                 batch_invariant=args.batch_invariant,
+                 kv_cache_dtype=args.kv_cache_dtype) as llm:
             handle = llm.submit(prompt, sp)
             if stream:
                 sys.stdout.write(prompt)
@@ -112,7 +113,8 @@ def _generate_beams(args, model, params, tokenizer, prompt, prompt_ids, sp) -> i
                                  length_penalty=args.length_penalty, early_stopping=early)
         max_len = min(model.config.max_len, bucket(len(prompt_ids) + sp.max_tokens + 1))
         with LLM(model, params, tokenizer, max_slots=1, max_len=max_len,
-                 model_source=args.model, batch_invariant=args.batch_invariant) as llm:
+                 model_source=args.model, batch_invariant=args.batch_invariant,
+                 kv_cache_dtype=args.kv_cache_dtype) as llm:
             done = llm.generate(prompt, sp)
     except ValueError as e:
         raise flag_error(e)
@@ -155,4 +157,5 @@ def add_parser(sub) -> None:
     add_speculative_arguments(g)
     add_batch_invariance_argument(g)
     add_quantization_argument(g)
+    add_kv_cache_dtype_argument(g)
     g.set_defaults(func=cmd_generate)

@@ -23,7 +23,8 @@ def cmd_replay(args) -> int:
     pinned = record.data.get("batch_invariance") or {}
     with LLM(model, params, tokenizer, max_slots=layout["max_slots"], max_len=layout["max_len"],
              model_source=spec, row_tile=pinned.get("row_tile"),
-             batch_invariant=pinned.get("mode") != "none") as llm:
+             batch_invariant=pinned.get("mode") != "none",
+             kv_cache_dtype=layout.get("kv_cache_dtype", "auto")) as llm:
         try:
             report = replay(record, llm, allow_params_mismatch=args.allow_params_mismatch)
         except ValueError as e:

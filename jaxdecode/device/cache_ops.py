@@ -82,10 +82,10 @@ def pick_branch(tree: Any, chosen: Array, axis: Optional[int] = None) -> Any:
             table = pick(x.page_table, 0)
             owner = jnp.zeros((x.k.shape[3],), jnp.int32).at[table].set(
                 jnp.broadcast_to(chosen[:, None], table.shape))     # page -> its row's branch
-            take = lambda pool: jnp.take_along_axis(  # noqa: E731
-                pool, owner.reshape(1, 1, 1, -1, 1, 1), axis=0)[0]
-            return x.replace(k=take(x.k), v=take(x.v), page_table=table,
-                             lengths=pick(x.lengths, 0))
+            take = lambda pool: jnp.take_along_axis(  # noqa: E731 (pages on axis 3)
+                pool, owner.reshape((1, 1, 1, -1) + (1,) * (pool.ndim - 4)), axis=0)[0]
+            pools = {name: take(pool) for name, pool in x.pools.items()}
+            return x.replace(**pools, page_table=table, lengths=pick(x.lengths, 0))
         if isinstance(x, KVCache):
             return rows_map(pick, x)
         return pick(x, 0)

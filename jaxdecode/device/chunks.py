@@ -60,7 +60,7 @@ def _write(model: DecoderModel, params: Any, pool: PagedKVCache, tokens: Array, 
     positions = start[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
     last, out = last_logits(model, params, tokens, positions, view, length,
                             **kv_len_keyword(model, kv_len), **adapter_keyword(model, adapters))
-    return pool.replace(k=out.k, v=out.v), last
+    return pool.replace(**out.pools), last
 
 
 @cache_ops.shared_tables
@@ -220,18 +220,22 @@ def _pools(state: Any) -> list[str]:
 def copy_pages(state: Any, src: Array, dst: Array) -> Any:
     """Page dst[i] becomes a copy of page src[i] in every pool of the state, every layer."""
     def copy(pool):
-        return pool.replace(k=pool.k.at[:, :, dst].set(pool.k[:, :, src]),
-                            v=pool.v.at[:, :, dst].set(pool.v[:, :, src]))
+        return pool.replace(**{name: x.at[:, :, dst].set(x[:, :, src])
+                               for name, x in pool.pools.items()})
 
     return state.replace(**{f: copy(getattr(state, f)) for f in _pools(state)})
 
 
 @cache_ops.shared_tables
-def write_pages(state: Any, pages: Array, k: Array, v: Array) -> Any:
-    """Saved keys and values [layers, kv_heads, n * page_size, head_dim] of one row written
-    into `pages` int32[n] of a plain state's pool (restoring a saved request)."""
+def write_pages(state: Any, pages: Array, saved: dict) -> Any:
+    """A saved row's pools (`PagedKVCache.pools`: keys and values [layers, kv_heads,
+    n * page_size, head_dim], an int8 pool's scales without head_dim) written into `pages`
+    int32[n] of a plain state's pool (restoring a saved request)."""
     pool = state.cache
-    shape = k.shape[:2] + (pages.shape[0], pool.page_size, k.shape[-1])
-    put = lambda x, saved: x.at[:, :, pages].set(  # noqa: E731 (the pool is kv heads first)
-        saved.reshape(shape).swapaxes(0, 1).astype(x.dtype))
-    return state.replace(cache=pool.replace(k=put(pool.k, k), v=put(pool.v, v)))
+
+    def put(x, row):  # the pool is kv heads first
+        shape = row.shape[:2] + (pages.shape[0], pool.page_size) + row.shape[3:]
+        return x.at[:, :, pages].set(row.reshape(shape).swapaxes(0, 1).astype(x.dtype))
+
+    return state.replace(cache=pool.replace(**{name: put(x, saved[name])
+                                               for name, x in pool.pools.items()}))

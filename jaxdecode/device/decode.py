@@ -386,7 +386,7 @@ def decode_steps_jit(state: StepState, params: Any, steps: Array, rows: Optional
         return _steps(config, params, state, steps)
     sub, out = _steps(config, params, cache_ops.take_rows(state, rows), steps)
     merged = cache_ops.scatter_rows(state, sub, rows)
-    state = merged.replace(cache=merged.cache.replace(k=sub.cache.k, v=sub.cache.v))
+    state = merged.replace(cache=merged.cache.replace(**sub.cache.pools))
 
     def widen(x: Array, fill: int) -> Array:
         return jnp.full((state.step.shape[0],) + x.shape[1:], fill, x.dtype).at[rows].set(x)

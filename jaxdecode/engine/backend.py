@@ -43,6 +43,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxdecode import kv_int8
 from jaxdecode.device import chunks, decode, numerics, slots
 from jaxdecode.device.cache_ops import shared_tables
 from jaxdecode.device.speculative import RoundConfig, spec_round
@@ -108,10 +109,12 @@ class SlotBackend(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class Pages:
-    """The page pool's shape: pages (including the null page 0) and positions per page."""
+    """The page pool's shape: pages (including the null page 0) and positions per page; its
+    `kv_cache_dtype` ("auto": the weights' dtype, or "int8": jaxdecode/kv_int8.py)."""
 
     num_pages: int
     page_size: int
+    kv_cache_dtype: str = "auto"
 
 
 class _Rows:
@@ -134,9 +137,10 @@ class _Rows:
         self.pages, self.draft, self.draft_params = pages, draft, draft_params
         self.replicate_outputs = replicate_outputs and mesh is not None
         self.slot_config = slots.SlotConfig(
-            model, params_dtype(params), max_len, pages.num_pages, pages.page_size,
-            None if research is None else research.config, self.speculative, draft,
-            None if draft is None else params_dtype(draft_params))
+            model, kv_int8.pool_dtype(pages.kv_cache_dtype, params_dtype(params)), max_len,
+            pages.num_pages, pages.page_size, None if research is None else research.config,
+            self.speculative, draft, None if draft is None else kv_int8.pool_dtype(
+                pages.kv_cache_dtype, params_dtype(draft_params)))
 
     def _research(self) -> dict:
         return {} if self.research is None else {"research_args": self.research.args}

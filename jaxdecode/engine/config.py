@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional, Sequence
 
-from jaxdecode import invariance
+from jaxdecode import invariance, kv_int8
 from jaxdecode.device import constraints, decode
 from jaxdecode.engine import adapters
 from jaxdecode.tokenization import eos_token_id
@@ -92,6 +92,7 @@ class EngineConfig:
     batch_invariant: bool = True
     lora_modules: Optional[Any] = None
     max_loras: Optional[int] = None
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self):
         _integer("max_slots", self.max_slots)
@@ -101,6 +102,7 @@ class EngineConfig:
             _integer(name, getattr(self, name))
         if self.decode_steps is not None:
             _integer("decode_steps", self.decode_steps, 1, decode.MAX_STEPS_PER_CALL)
+        kv_int8.check(self.kv_cache_dtype)
         self.kv  # noqa: B018 (validates the KV settings)
         # {name: path} -> (name, path) pairs (adapters.py): frozen, like every other field
         object.__setattr__(self, "lora_modules",

@@ -55,7 +55,9 @@ class LLM:
     its draft on XLA's plain numerics (X1 not kept; records say `"mode": "none"`);
     `lora_modules` {name: PEFT directory} and `max_loras`: LoRA adapters a request selects with
     `SamplingParams(lora=name)`, all in one batch and one program (engine/adapters.py, contract
-    R6; `adapters` holds them, None without)."""
+    R6; `adapters` holds them, None without);
+    `kv_cache_dtype`: "auto" (the weights' dtype) or "int8" (the page pools as int8 codes with a
+    scale per (token, kv head), jaxdecode/kv_int8.py; records pin it)."""
 
     def __init__(self, model: DecoderModel, params: Any, tokenizer: Any,
                  config: Optional[EngineConfig] = None, *, mesh: Optional[Any] = None,
@@ -95,7 +97,7 @@ class LLM:
         ctx = runner.Context(model, engine_params, cfg.max_slots, cfg.max_len, self.eos_token_ids, mesh,
                              replicate_outputs=step_hook is not None, tokenizer=tokenizer,
                              spec=spec, research=self._research, pages=self.kv.pages,
-                             page_size=self.kv.page_size)
+                             page_size=self.kv.page_size, kv_cache_dtype=cfg.kv_cache_dtype)
         self._scheduler, self._core = EngineCore.build(
             ctx, self.kv, cfg.max_queue, self.limits, lambda: self.model_snapshot,
             logprobs_k=self.logprobs_k, step_hook=step_hook,
@@ -104,6 +106,7 @@ class LLM:
         self._records = records.Records(
             model, params, tokenizer, model_source=cfg.model_source, max_slots=cfg.max_slots,
             max_len=cfg.max_len, params_hash=cfg.params_hash, kv=self.kv,
+            kv_cache_dtype=cfg.kv_cache_dtype,
             processor_order=None if self._research is None else self._research.processor_order,
             adapters=self.adapters)
         self._spec, self.step_hook = spec, step_hook
@@ -207,7 +210,8 @@ class LLM:
         """Continue a request saved by `save_request` (in this or another process): the output
         equals an uninterrupted run's, byte for byte."""
         records.check_saveable(self._research, self._spec)
-        r = records.restore_request(self._admission, path, self.params_hash)
+        r = records.restore_request(self._admission, path, self.params_hash,
+                                    self.config.kv_cache_dtype)
         self._enqueue([r], block=True)
         return self._handle(r)
 

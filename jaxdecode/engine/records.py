@@ -61,11 +61,12 @@ class Records:
     def __init__(self, model: Any, params: Any, tokenizer: Any, *, model_source: Optional[str],
                  max_slots: int, max_len: int, processor_order: Optional[tuple] = None,
                  params_hash: Optional[str] = None, kv: Optional[Any] = None,
-                 adapters: Optional[Any] = None):
+                 adapters: Optional[Any] = None, kv_cache_dtype: str = "auto"):
         self.model, self.params, self.tokenizer = model, params, tokenizer
         self.adapters = adapters  # engine/adapters.py: a record names its request's (R7)
         self.model_source, self.max_slots, self.max_len = model_source, max_slots, max_len
         self.kv = kv  # config.KVLayout: pages, page size, prefill chunk, prefix cache
+        self.kv_cache_dtype = kv_cache_dtype  # "auto" or "int8" (jaxdecode/kv_int8.py)
         self.processor_order = processor_order
         self._hashes: dict = {} if params_hash is None else {"params": params_hash}
 
@@ -104,7 +105,8 @@ class Records:
                     "prompt_bucket": decode.bucket(len(r.prompt_ids), self.max_len),
                     **({} if self.kv is None else {
                         "page_size": self.kv.page_size, "prefill_chunk": self.kv.chunk,
-                        "prefix_cache": self.kv.prefix_cache})},
+                        "prefix_cache": self.kv.prefix_cache}),
+                    "kv_cache_dtype": self.kv_cache_dtype},
             batch_invariance=numerics.guarantee(self.model, jax.default_backend()),
             detokenizer_mode=r.pipeline.detokenizer.mode, token_ids=r.token_ids,
             text=r.pipeline.text, finish_reason=finish.value if finish else None,
@@ -123,12 +125,17 @@ def row_arrays(state: Any, r: Request, placed: Any, grammar_offset: int = 0) -> 
     length = int(pool.lengths[slot])
     pages = np.asarray(placed.pages[:-(-length // pool.page_size)], np.int32)
     row = lambda x: np.asarray(x[slot])  # noqa: E731
-    kv = lambda x: np.asarray(x[:, :, pages]).reshape(  # noqa: E731 (its pages, in order)
-        x.shape[:2] + (-1, x.shape[-1]))[:, :, :length].swapaxes(0, 1)
-    arrays = {"k": kv(pool.k), "v": kv(pool.v),
-              "length": np.int32(length), "logits": row(state.logits),
+
+    def kv(x):  # its pages, in order: [layers, kv_heads, length, ...]
+        x = np.asarray(x[:, :, pages])
+        return x.reshape(x.shape[:2] + (-1,) + x.shape[4:])[:, :, :length].swapaxes(0, 1)
+
+    # an int8 pool's bf16 scales travel as float32 (exact; the wire takes numeric numpy only)
+    arrays = {name: kv(x).astype(np.float32) if name.endswith("_scale") else kv(x)
+              for name, x in pool.pools.items()}
+    arrays.update({"length": np.int32(length), "logits": row(state.logits),
               "last_token": row(state.last_token), "step": row(state.step),
-              "counts": row(state.counts), "seen": row(state.seen), "finish": row(state.finish)}
+              "counts": row(state.counts), "seen": row(state.seen), "finish": row(state.finish)})
     for name, value in vars(state.rows).items():
         arrays["rows." + name] = row(value)
     if r.grammar is not None:
@@ -191,12 +198,17 @@ def save_request(core: Any, handle: Any, path: str, params_hash: str, timeout: f
     return str(save(path, arrays, request_meta(r, params_hash)))
 
 
-def restore_request(admission: Any, path: str, params_hash: str) -> Request:
+def restore_request(admission: Any, path: str, params_hash: str,
+                    kv_cache_dtype: str = "auto") -> Request:
     """`LLM.restore_request`: the saved request rebuilt (checked like a new one), its device
-    arrays waiting for a slot."""
+    arrays waiting for a slot; its K/V must be of the engine's `kv_cache_dtype` (an int8
+    row carries its scales)."""
     arrays, meta = load(path)
     if meta.get("model_hash") != params_hash:
         raise ValueError("path: the saved request was decoded with other weights")
+    if ("k_scale" in arrays) != (kv_cache_dtype == "int8"):
+        raise ValueError(f"path: the saved request's KV cache is not of this engine's "
+                         f"kv_cache_dtype {kv_cache_dtype!r}")
     r = admission.request(meta["prompt_ids"], replay_lib.sampling_from_json(meta["sampling"]),
                           meta["request_id"], meta["prompt_index"], meta["index"],
                           meta["output_kind"])

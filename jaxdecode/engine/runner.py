@@ -28,6 +28,8 @@ from jaxdecode.engine.backend import Pages, PlainBackend, SlotBackend, Speculati
 from jaxdecode.engine.scheduler import chunk_plan, chunk_rows, compact_counts, kv_bucket
 from jaxdecode.model_api import DecoderModel, PagedKVCache
 
+POOLS = ("k", "v", "k_scale", "v_scale")  # a saved row's pool arrays (PagedKVCache.pools)
+
 
 @dataclasses.dataclass(frozen=True)
 class Context:
@@ -38,7 +40,8 @@ class Context:
     collective, so the leader and its followers must agree: it is on exactly when a mesh is
     used with a step hook (the leader) or in a follower. `spec`: a SpeculativeConfig (steps are
     speculative rounds); `research`: the engine's custom processors (research.Setup);
-    `pages` and `page_size` shape the KV page pool."""
+    `pages` and `page_size` shape the KV page pool, `kv_cache_dtype` ("auto" or "int8",
+    jaxdecode/kv_int8.py) sets its dtype."""
 
     model: DecoderModel
     params: Any
@@ -52,6 +55,7 @@ class Context:
     research: Optional[Any] = None
     pages: Optional[int] = None  # allocatable pages (default: max_slots rows of max_len)
     page_size: int = 16
+    kv_cache_dtype: str = "auto"
 
     @property
     def num_pages(self) -> int:
@@ -77,7 +81,7 @@ class Context:
     def backend(self) -> SlotBackend:
         """The slot backend that runs this context's device (engine/backend.py)."""
         args = (self.model, self.params, self.rows, self.max_len, self.eos_token_ids,
-                Pages(self.num_pages, self.page_size))
+                Pages(self.num_pages, self.page_size, self.kv_cache_dtype))
         if self.spec is not None:
             return SpeculativeBackend(self.spec, *args)
         return PlainBackend(*args, research=self.research, mesh=self.mesh,
@@ -126,8 +130,9 @@ def _restore(ctx: Context, state: Any, a: Mapping[str, np.ndarray]) -> Any:
     """RESTORE: the saved K/V into the row's pages, the saved row into its slot."""
     length, pages = int(a["length"]), a["pages"]
     width = len(pages) * ctx.page_size
-    pad = lambda x: np.pad(x, ((0, 0), (0, 0), (0, width - length), (0, 0)))  # noqa: E731
-    state = chunks.write_pages(state, pages, pad(a["k"]), pad(a["v"]))
+    pad = lambda x: np.pad(x, ((0, 0), (0, 0), (0, width - length))  # noqa: E731
+                           + ((0, 0),) * (x.ndim - 3))
+    state = chunks.write_pages(state, pages, {name: pad(a[name]) for name in POOLS if name in a})
     return ctx.backend.insert(state, _saved_row(ctx, a),
                               np.array([int(a["slot"])], np.int32))
 
