@@ -86,11 +86,15 @@ class Llama(L.CachedDecoder):
             attn = attend(i, q, k, v, c.sliding_window)
             x = x + L.dense(attn.reshape(b, t, -1), p["o"], tile)
             h = L.rms_norm(x, p["mlp_norm"], c.rms_norm_eps, tile)
-            mlp = jax.nn.silu(L.dense(h, p["gate"], tile)) * L.dense(h, p["up"], tile)
-            x = x + L.dense(mlp, p["down"], tile)
+            x = x + self._mlp(i, p, h, tile)
             if hook is not None:
                 x = hook(f"resid.{i}", x)
         x = L.rms_norm(x, params["final_norm"], c.rms_norm_eps, tile)
         if hook is not None:
             x = hook("final_norm", x)
         return x
+
+    def _mlp(self, i: int, p: dict, h: Array, tile) -> Array:
+        """Layer `i`'s SwiGLU MLP of the normed h (models/moe.py overrides it)."""
+        act = jax.nn.silu(L.dense(h, p["gate"], tile)) * L.dense(h, p["up"], tile)
+        return L.dense(act, p["down"], tile)
