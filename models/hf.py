@@ -234,6 +234,7 @@ def _moe_config(config: dict, config_file: Path, family: str, eos) -> MoeConfig:
         raise CheckpointError(f"{config_file}: shared experts are not supported")
     n, step = base.num_layers, int(config.get("decoder_sparse_step") or 1)
     dense = set(config.get("mlp_only_layers") or ())
+    sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(n))
     try:
         return MoeConfig(
             **{f.name: getattr(base, f.name) for f in dataclasses.fields(base)},
@@ -241,7 +242,7 @@ def _moe_config(config: dict, config_file: Path, family: str, eos) -> MoeConfig:
             moe_intermediate_size=int(config.get("moe_intermediate_size")
                                       or base.intermediate_size),
             norm_topk_prob=family == "mixtral" or bool(config.get("norm_topk_prob", False)),
-            sparse_layers=tuple(i not in dense and (i + 1) % step == 0 for i in range(n)))
+            sparse_layers=() if all(sparse) else sparse)
     except ValueError as e:
         raise CheckpointError(f"{config_file}: {e}") from e
 
