@@ -2,7 +2,7 @@
 sparse MLP layers, each E SwiGLU experts and a router that picks `num_experts_per_tok` of them
 per token (docs/moe.md).
 
-The router (contract M1): logits = h @ router, softmax in f32, the top k probabilities, divided
+The router (docs/contract.md §12, "Mixture of experts"): logits = h @ router, softmax in f32, the top k probabilities, divided
 by their sum where `norm_topk_prob` (always for Mixtral). Every token's experts are computed in
 one program of static shapes: no host round trip, and routing is data, so a new routing never
 recompiles. Two dispatch forms (`MoeConfig.dispatch`):
@@ -68,9 +68,9 @@ class MoeConfig(LlamaConfig):
 def route(h: Array, router: Array, top_k: int, renormalise: bool,
           tile: Optional[invariance.Tiles]) -> tuple[Array, Array]:
     """(expert ids int32[..., k] in ascending order, their f32 weights [..., k]) of each token
-    of h [..., D] (M1): softmax of the router logits, top k, renormalised where asked. The
-    softmax's and the renormalisation's sums are `fixed_sum`s with a `tile`, so a token's
-    routing depends on that token alone."""
+    of h [..., D] (contract §12): softmax of the router logits, top k, renormalised where
+    asked. The softmax's and the renormalisation's sums are `fixed_sum`s with a `tile`, so a
+    token's routing depends on that token alone."""
     logits = L.dense(h, router, tile).astype(jnp.float32)
     total = (lambda x: invariance.fixed_sum(x, -1, keepdims=True)) if tile is not None else (
         lambda x: jnp.sum(x, -1, keepdims=True))
