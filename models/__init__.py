@@ -4,6 +4,7 @@ from typing import Optional
 from models.llama import Llama, LlamaConfig
 from models.gpt2 import GPT2, GPT2Config
 from models.gemma import Gemma, GemmaConfig
+from models.moe import Moe, MoeConfig
 from models.hf import CheckpointError, load
 from models.checkpoint import restore_params, save_params
 from models.sharding import make_mesh, shard_params
@@ -19,5 +20,5 @@ def demo(kind: str = "main", quantization: Optional[str] = None):
     return _load_demo(kind, quantization=quantization)
 
 
-__all__ = ["CheckpointError", "GPT2", "GPT2Config", "Gemma", "GemmaConfig", "Llama", "LlamaConfig", "demo", "load",
+__all__ = ["CheckpointError", "GPT2", "GPT2Config", "Gemma", "GemmaConfig", "Llama", "LlamaConfig", "Moe", "MoeConfig", "demo", "load",
            "make_mesh", "quantize_params", "restore_params", "save_params", "shard_params"]

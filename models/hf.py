@@ -14,6 +14,7 @@ the file and, where there is one, the tensor.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -29,6 +30,7 @@ from models import quantization as quantize
 from models.gemma import Gemma, GemmaConfig
 from models.gpt2 import ACTIVATIONS, GPT2, GPT2Config
 from models.llama import Llama, LlamaConfig
+from models.moe import Moe, MoeConfig
 
 
 class CheckpointError(ValueError):
@@ -44,10 +46,13 @@ ARCHITECTURES = {
     "Phi3ForCausalLM": "phi3",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
     "GPT2LMHeadModel": "gpt2",
 }
 MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
-               "phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3", "gpt2": "gpt2"}
+               "phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3", "gpt2": "gpt2",
+               "mixtral": "mixtral", "qwen3_moe": "qwen3_moe"}
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -79,6 +84,9 @@ def load(path: str | os.PathLike, dtype: Any = None, quantization: Optional[str]
         elif family in ("gemma2", "gemma3"):
             model = Gemma(_gemma_config(config, config_file, family, eos))
             params = _gemma_params(model.config, tensors, dtype)
+        elif family in ("mixtral", "qwen3_moe"):
+            model = Moe(_moe_config(config, config_file, family, eos))
+            params = _llama_params(model.config, tensors, dtype)
         else:
             model = Llama(_llama_config(config, config_file, family, eos))
             params = _llama_params(model.config, tensors, dtype)
@@ -179,10 +187,10 @@ def _llama_config(config: dict, config_file: Path, family: str, eos) -> LlamaCon
         raise CheckpointError(f"{config_file}: mlp_bias=true is not supported")
     if family == "qwen2":
         bias = True  # Qwen2 always has q/k/v biases (and no o bias)
-    elif family == "qwen3":
+    elif family in ("qwen3", "qwen3_moe"):
         if config.get("attention_bias"):
             raise CheckpointError(f"{config_file}: attention_bias=true is not supported for "
-                                  "qwen3")
+                                  f"{family}")
         bias = False
     else:
         if config.get("attention_bias"):
@@ -210,8 +218,33 @@ def _llama_config(config: dict, config_file: Path, family: str, eos) -> LlamaCon
         attention_bias=bias,
         sliding_window=window,
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-        qk_norm=family == "qwen3",
+        qk_norm=family in ("qwen3", "qwen3_moe"),
     )
+
+
+def _moe_config(config: dict, config_file: Path, family: str, eos) -> MoeConfig:
+    """Mixtral / Qwen3-MoE: Llama's config plus the experts (`num_local_experts` or
+    `num_experts`, `num_experts_per_tok`), Qwen3-MoE's `moe_intermediate_size`,
+    `norm_topk_prob` and dense layers (`mlp_only_layers`, `decoder_sparse_step`)."""
+    base = _llama_config(config, config_file, family, eos)
+    experts = config.get("num_local_experts", config.get("num_experts"))
+    if not experts or not config.get("num_experts_per_tok"):
+        raise CheckpointError(f"{config_file}: missing 'num_experts' / 'num_experts_per_tok'")
+    if config.get("shared_expert_intermediate_size"):
+        raise CheckpointError(f"{config_file}: shared experts are not supported")
+    n, step = base.num_layers, int(config.get("decoder_sparse_step") or 1)
+    dense = set(config.get("mlp_only_layers") or ())
+    sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(n))
+    try:
+        return MoeConfig(
+            **{f.name: getattr(base, f.name) for f in dataclasses.fields(base)},
+            num_experts=int(experts), num_experts_per_tok=int(config["num_experts_per_tok"]),
+            moe_intermediate_size=int(config.get("moe_intermediate_size")
+                                      or base.intermediate_size),
+            norm_topk_prob=family == "mixtral" or bool(config.get("norm_topk_prob", False)),
+            sparse_layers=() if all(sparse) else sparse)
+    except ValueError as e:
+        raise CheckpointError(f"{config_file}: {e}") from e
 
 
 def _longrope(config: dict, config_file: Path, scaling: dict, max_len: int):
@@ -286,7 +319,7 @@ def _sliding_window(config: dict, config_file: Path, family: str) -> Optional[in
     if family == "llama":
         return None
     window = config.get("sliding_window")
-    if family in ("qwen2", "qwen3"):
+    if family in ("qwen2", "qwen3", "qwen3_moe"):
         if not config.get("use_sliding_window", False) or window is None:
             return None
         n = int(config["num_hidden_layers"])
@@ -447,7 +480,9 @@ def _llama_params(c: LlamaConfig, t: _TensorIndex, dtype) -> dict:
         else:
             q, k, v = (get(attn + n + "_proj.weight", (size, d), True)
                        for n, size in (("q", qd), ("k", kvd), ("v", kvd)))
-        if mlp + "gate_up_proj.weight" in t:
+        if isinstance(c, MoeConfig) and c.is_sparse(i):
+            gate, up = None, None
+        elif mlp + "gate_up_proj.weight" in t:
             gate, up = split(mlp + "gate_up_proj.weight", (2 * f, d), (f, f))
         else:
             gate, up = (get(mlp + n + "_proj.weight", (f, d), True) for n in ("gate", "up"))
@@ -456,9 +491,11 @@ def _llama_params(c: LlamaConfig, t: _TensorIndex, dtype) -> dict:
             "q": q, "k": k, "v": v,
             "o": get(attn + "o_proj.weight", (d, qd), True),
             "mlp_norm": get(pre + "post_attention_layernorm.weight", (d,)),
-            "gate": gate, "up": up,
-            "down": get(mlp + "down_proj.weight", (d, f), True),
         }
+        if gate is None:
+            layer.update(_experts(c, t, pre, get, dtype))
+        else:
+            layer.update(gate=gate, up=up, down=get(mlp + "down_proj.weight", (d, f), True))
         if c.attention_bias:
             layer["q_bias"] = get(pre + "self_attn.q_proj.bias", (qd,))
             layer["k_bias"] = get(pre + "self_attn.k_proj.bias", (kvd,))
@@ -467,6 +504,31 @@ def _llama_params(c: LlamaConfig, t: _TensorIndex, dtype) -> dict:
             layer.update(_qk_norms(get, pre, hd))
         layers.append(layer)
     return _decoder_params(c, get, layers)
+
+
+def _experts(c: MoeConfig, t: _TensorIndex, pre: str, get, dtype) -> dict:
+    """A sparse layer's router [D, E] and experts stacked as [E, D, F] (gate, up) and
+    [E, F, D] (down), from Mixtral's `block_sparse_moe.experts.{e}.w1/w3/w2`, Qwen3-MoE's
+    `mlp.experts.{e}.gate_proj/up_proj/down_proj` or fused `mlp.experts.gate_up_proj`
+    [E, 2F, D] and `mlp.experts.down_proj` [E, D, F]; one tensor read at a time."""
+    d, e, f = c.hidden_size, c.num_experts, c.moe_intermediate_size
+    moe = pre + ("block_sparse_moe." if pre + "block_sparse_moe.gate.weight" in t else "mlp.")
+    out = {"router": get(moe + "gate.weight", (e, d), True)}
+    fused = moe + "experts.gate_up_proj"
+    if fused in t:
+        gate_up = t.get(fused, (e, 2 * f, d)).transpose(0, 2, 1)
+        out.update(experts_gate=_host(gate_up[..., :f], dtype),
+                   experts_up=_host(gate_up[..., f:], dtype),
+                   experts_down=_host(t.get(moe + "experts.down_proj", (e, d, f))
+                                      .transpose(0, 2, 1), dtype))
+        return out
+    names = ("w1", "w3", "w2") if moe + "experts.0.w1.weight" in t else (
+        "gate_proj", "up_proj", "down_proj")
+    for key, name, shape in zip(("experts_gate", "experts_up", "experts_down"), names,
+                                ((f, d), (f, d), (d, f))):
+        out[key] = np.stack([get(f"{moe}experts.{j}.{name}.weight", shape, True)
+                             for j in range(e)])
+    return out
 
 
 def _qk_norms(get, pre: str, hd: int) -> dict:

@@ -106,11 +106,16 @@ class Llama(L.CachedDecoder):
             attn = attend(i, q, k, v, c.sliding_window)
             x = x + proj(i, ("o",), attn.reshape(b, t, -1))[0]
             h = L.rms_norm(x, p["mlp_norm"], c.rms_norm_eps, tile)
-            gate, up = proj(i, ("gate", "up"), h)
-            x = x + proj(i, ("down",), jax.nn.silu(gate) * up)[0]
+            x = x + self._mlp(i, p, h, tile, proj)
             if hook is not None:
                 x = hook(f"resid.{i}", x)
         x = L.rms_norm(x, params["final_norm"], c.rms_norm_eps, tile)
         if hook is not None:
             x = hook("final_norm", x)
         return x
+
+    def _mlp(self, i: int, p: dict, h: Array, tile, proj) -> Array:
+        """Layer `i`'s SwiGLU MLP of the normed h through `proj` (the projections with the rows'
+        adapter deltas; models/moe.py overrides it)."""
+        gate, up = proj(i, ("gate", "up"), h)
+        return proj(i, ("down",), jax.nn.silu(gate) * up)[0]

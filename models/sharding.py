@@ -6,6 +6,8 @@ Megatron-style tensor parallelism over the "model" axis, batch (data) parallelis
 * o, down (Llama), proj (GPT-2): split on the input dimension (one all-reduce after each);
   their biases, added after that all-reduce, are replicated;
 * embed [V, D] and lm_head [D, V]: split on the vocabulary;
+* mixture-of-experts weights (models/moe.py) [E, D, F] / [E, F, D]: experts on "expert", each
+  expert's gate/up column parallel and down row parallel on "model"; the router replicated;
 * norms, norm biases and GPT-2's position table: replicated;
 * the KV cache (`jaxdecode.model_api.CACHE_RULES`, the same table): batch on "data", kv heads
   on "model".
@@ -39,6 +41,9 @@ PARAM_RULES: tuple = (
     (_LAYER + r"(o|down|proj)", ("model", None)),         # [in, D]: row parallel
     (_LAYER + r"(o|down|proj)_bias", ()),                 # added after the all-reduce
     (_LAYER + r"\w*norm(_bias)?", ()),
+    (_LAYER + r"experts_(gate|up)", ("expert", None, "model")),
+    (_LAYER + r"experts_down", ("expert", "model", None)),
+    (_LAYER + r"router", ()),
     (r"embed", ("model", None)),                          # [V, D]: vocab parallel
     (r"lm_head", (None, "model")),                        # [D, V]
     (r"pos_embed", ()),
@@ -100,33 +105,39 @@ def shard_params(params: Any, mesh: Mesh) -> Any:
 
 
 def make_mesh(data: int = 1, model: Optional[int] = None,
-              devices: Optional[Sequence[Any]] = None) -> Mesh:
+              devices: Optional[Sequence[Any]] = None, expert: int = 1) -> Mesh:
     """A ("data", "model") mesh with Auto axes (GSPMD partitions the jitted steps from the
-    shardings of their inputs). `model` defaults to all devices not used by `data`."""
+    shardings of their inputs), ("data", "expert", "model") with `expert` > 1 (the experts of
+    an MoE model split over it). `model` defaults to all devices not used by the others."""
     devices = list(jax.devices() if devices is None else devices)
+    if expert < 1:
+        raise ValueError(f"expert={expert}: expected at least 1")
     if model is None:
-        if len(devices) % data:
-            raise ValueError(f"data={data} does not divide the {len(devices)} devices")
-        model = len(devices) // data
-    if data * model > len(devices):
-        raise ValueError(f"mesh data={data} x model={model} needs {data * model} devices, "
-                         f"have {len(devices)}")
-    if devices == list(jax.devices()) and data * model == len(devices):
-        return jax.make_mesh((data, model), ("data", "model"),
-                             axis_types=(AxisType.Auto, AxisType.Auto))
-    grid = np.array(devices[:data * model], dtype=object).reshape(data, model)
-    return Mesh(grid, ("data", "model"))
+        if len(devices) % (data * expert):
+            raise ValueError(f"data={data} x expert={expert} does not divide the "
+                             f"{len(devices)} devices")
+        model = len(devices) // (data * expert)
+    sizes, names = ((data, expert, model), ("data", "expert", "model")) if expert > 1 else (
+        (data, model), ("data", "model"))
+    count = int(np.prod(sizes))
+    if count > len(devices):
+        raise ValueError(f"mesh {' x '.join(f'{n}={s}' for n, s in zip(names, sizes))} needs "
+                         f"{count} devices, have {len(devices)}")
+    if devices == list(jax.devices()) and count == len(devices):
+        return jax.make_mesh(sizes, names, axis_types=(AxisType.Auto,) * len(sizes))
+    return Mesh(np.array(devices[:count], dtype=object).reshape(sizes), names)
 
 
 def parse_mesh(text: str) -> Mesh:
-    """`make_mesh` from a CLI value like "data=2,model=4" (missing axes: data=1, model=rest)."""
+    """`make_mesh` from a CLI value like "data=2,model=4" or "expert=2,model=2" (missing axes:
+    data=1, expert=1, model=rest)."""
     sizes = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
         name, _, value = part.partition("=")
-        if name.strip() not in ("data", "model") or not value.strip().isdigit():
-            raise ValueError(f"--mesh: expected data=N,model=M, got {text!r}")
+        if name.strip() not in ("data", "model", "expert") or not value.strip().isdigit():
+            raise ValueError(f"--mesh: expected data=N,model=M[,expert=E], got {text!r}")
         sizes[name.strip()] = int(value)
-    return make_mesh(sizes.get("data", 1), sizes.get("model"))
+    return make_mesh(sizes.get("data", 1), sizes.get("model"), expert=sizes.get("expert", 1))
 
 
 __all__ = ["CACHE_RULES", "PARAM_RULES", "RULES", "cache_sharding", "make_mesh",

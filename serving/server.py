@@ -328,7 +328,7 @@ def _add_http_arguments(p: Any) -> None:
 
 
 def _add_placement_arguments(p: Any) -> None:
-    p.add_argument("--mesh", default=None, metavar="data=N,model=M",
+    p.add_argument("--mesh", default=None, metavar="data=N,model=M[,expert=E]",
                    help="shard over a device mesh (docs/sharding.md); default: one device")
     p.add_argument("--distributed", action="store_true",
                    help="multi-host: jax.distributed.initialize(); process 0 serves HTTP, the "

@@ -127,6 +127,15 @@ HF_CHECKPOINTS = {
                   original_max_position_embeddings=64,
                   rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.5, 2.0, 3.0],
                                 "long_factor": [2.0, 3.0, 4.0, 5.0]}), {}),
+    # Mixture of experts: hidden 64, 4 experts, top 2 (Mixtral renormalises the top 2;
+    # Qwen3-MoE does not by default, has q/k norms and here one dense layer between sparse ones).
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                dict(_LLAMA_GEOMETRY, hidden_size=64, num_local_experts=4, num_experts_per_tok=2),
+                {}),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(_LLAMA_GEOMETRY, hidden_size=64, num_hidden_layers=3, head_dim=16,
+                       num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                       mlp_only_layers=[1], use_sliding_window=False), {}),
     "gpt2": ("GPT2Config", "GPT2LMHeadModel",
              dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
                   bos_token_id=1, eos_token_id=EOS_ID, pad_token_id=0), {}),

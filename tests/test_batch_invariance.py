@@ -28,7 +28,7 @@ from jaxdecode.engine import runner, step_ops
 from jaxdecode.device.state import RowParams
 
 FAMILIES = ["llama", "llama3", "mistral", "qwen2", "gpt2", "demo", "qwen3", "gemma2", "gemma3",
-            "phi3"]
+            "phi3", "mixtral", "qwen3_moe"]
 BATCHES = (1, 2, 3, 7, 16)
 STEPS = 3                       # decode steps compared after the prefill
 FIB = "def fibonacci(n):"

@@ -53,10 +53,11 @@ def test_invariance_flags_name_their_conflicts():
         cli.main(["bench", "--serve", "--no-batch-invariant"])
 
 
-def test_gemma_512_named_config_is_what_its_hf_config_loads_as(tmp_path):
-    """`bench --model gemma-512`: the jaxdecode model built from the named configuration is the
-    one models.load reads from the HF Gemma 2 config of the same keywords (the --compare-hf
-    path), so both columns time the same architecture."""
+@pytest.mark.parametrize("name,family", [("gemma-512", "gemma2"), ("moe-512", "mixtral")])
+def test_named_config_is_what_its_hf_config_loads_as(tmp_path, name, family):
+    """`bench --model gemma-512` / `moe-512`: the jaxdecode model built from the named
+    configuration is the one models.load reads from the HF config of the same keywords (the
+    --compare-hf path), so both columns time the same architecture."""
     import dataclasses
     import json
 
@@ -65,13 +66,19 @@ def test_gemma_512_named_config_is_what_its_hf_config_loads_as(tmp_path):
     from jaxdecode.cli.bench.configs import BENCH_CONFIGS, named_model
     from models import hf
 
-    kw = dict(BENCH_CONFIGS["gemma-512"])
+    kw = dict(BENCH_CONFIGS[name])
     config = transformers.AutoConfig.for_model(kw.pop("model_type"), **kw)
     (tmp_path / "config.json").write_text(json.dumps(config.to_dict()))
-    loaded = hf._gemma_config(config.to_dict(), tmp_path / "config.json", "gemma2", ())
-    ours = named_model("gemma-512").config
+    read = hf._gemma_config if family == "gemma2" else hf._moe_config
+    loaded = read(config.to_dict(), tmp_path / "config.json", family, ())
+    ours = named_model(name).config
     assert ours == dataclasses.replace(loaded, eos_token_ids=ours.eos_token_ids)
-    assert ours.sliding_window == 512 and ours.attn_logit_softcapping == 50.0
+    if family == "gemma2":
+        assert ours.sliding_window == 512 and ours.attn_logit_softcapping == 50.0
+    else:  # a token's active expert weights equal llama-512's MLP
+        llama = named_model("llama-512").config
+        assert ours.num_experts == 8 and ours.num_experts_per_tok == 2
+        assert ours.num_experts_per_tok * ours.moe_intermediate_size == llama.intermediate_size
 
 
 def test_lora_section_times_two_adapters_beside_none(tmp_path):

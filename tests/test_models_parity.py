@@ -25,7 +25,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 FAMILIES = ["llama", "llama3", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "gpt2",
-            "llama_sharded"]
+            "mixtral", "qwen3_moe", "llama_sharded"]
 PROMPTS = ["the quick brown fox", "hello world this is a test"]
 BUCKET = 16      # prompt bucket (T of the prefill call)
 MAX_LEN = 32     # cache length

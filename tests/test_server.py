@@ -685,7 +685,8 @@ def test_chat_template_from_the_tokenizer_or_the_simple_one(hf_tokenizer_dir):
         chat_prompt_ids(hf, [{"role": "tool", "content": "x"}])
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2", "gemma3", "phi3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2", "gemma3", "phi3", "mixtral",
+                                    "qwen3_moe"])
 def test_hf_checkpoint_dir_with_its_chat_template_in_process(tiny_hf_checkpoint, family):
     """What `jaxdecode serve --model DIR` serves: models.load + a transformers tokenizer whose
     chat template renders the prompt (httpx against the ASGI app, no socket); each family."""

@@ -92,16 +92,21 @@ SCRIPT = textwrap.dedent(r"""
 """)
 
 
-@pytest.fixture(scope="module")
-def mesh_run():
+def _run_on_8_devices(script: str, args: list, timeout: int) -> dict:
+    """The RESULT json of `script` run with `args` in a subprocess with 8 simulated devices."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
                XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") +
                           " --xla_force_host_platform_device_count=8").strip())
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(MESHES)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-c", script, *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
     line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT")][-1]
     return json.loads(line[len("RESULT"):])
+
+
+@pytest.fixture(scope="module")
+def mesh_run():
+    return _run_on_8_devices(SCRIPT, [json.dumps(MESHES)], 600)
 
 
 def test_rules_place_params_2x4(mesh_run):
@@ -241,16 +246,64 @@ def test_new_families_shard_like_one_device(tiny_hf_checkpoint):
     """Qwen3, Gemma 2, Gemma 3 and Phi-3 (tiny HF checkpoints) on 8 simulated devices, meshes
     1x2 and 4x2: greedy tokens of jd.generate and of the engine equal one device's."""
     paths = [str(tiny_hf_checkpoint(n)) for n in ("qwen3", "gemma2", "gemma3", "phi3")]
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
-               XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") +
-                          " --xla_force_host_platform_device_count=8").strip())
-    proc = subprocess.run([sys.executable, "-c", FAMILY_SCRIPT, *paths], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT")][-1]
-    for path, row in json.loads(line[len("RESULT"):]).items():
+    for path, row in _run_on_8_devices(FAMILY_SCRIPT, paths, 900).items():
         assert row["unmatched"] == [], path
         assert all(len(t) == 8 for t in row["reference"]), path
         for mesh in ("1x2", "4x2"):
             assert row[mesh] == row["reference"], (path, mesh)
             assert row[f"{mesh}-engine"] == row["reference"], (path, mesh)
+
+
+MOE_SCRIPT = textwrap.dedent(r"""
+    import json
+    import sys
+    import jax
+    import jaxdecode as jd
+    import models
+    from tests.host_fixtures import byte_level_from_table
+
+    tok = byte_level_from_table({})
+    greedy = jd.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True,
+                               utf8_errors="replace")
+    prompts = [[5, 6, 7, 8, 9, 10], [9, 10], [40, 41, 42, 43]]
+    out = {}
+    for path in sys.argv[1:]:
+        model, params, _ = models.load(path)
+        mesh = models.make_mesh(1, 2, devices=jax.devices()[:4], expert=2)
+        sp = models.shard_params(params, mesh)
+        layer = sp["layers"][0]
+        with jd.LLM(model, sp, tok, max_slots=4, max_len=32, mesh=mesh) as llm:
+            engine = [list(o.token_ids) for o in llm.generate(prompts, greedy)]
+        out[path] = {
+            "reference": jd.generate(model, params, prompts, greedy).token_ids.tolist(),
+            "sharded": jd.generate(model, sp, prompts, greedy).token_ids.tolist(),
+            "engine": engine, "mesh": dict(mesh.shape),
+            "specs": {k: [list(e) if isinstance(e, tuple) else e for e in layer[k].sharding.spec]
+                      for k in ("experts_gate", "experts_up", "experts_down", "router")},
+            "devices": len(layer["experts_gate"].sharding.device_set),
+            "unmatched": models.sharding.unmatched(params)}
+    print("RESULT" + json.dumps(out))
+""")
+
+
+def test_moe_on_an_expert_axis_of_2_matches_one_device(tiny_hf_checkpoint):
+    """Mixtral and Qwen3-MoE on a mesh data=1, expert=2, model=2 of 4 simulated devices: the
+    experts split over "expert" (each expert's F over "model"), and the greedy tokens of
+    jd.generate and of the engine equal one device's."""
+    paths = [str(tiny_hf_checkpoint(n)) for n in ("mixtral", "qwen3_moe")]
+    for path, row in _run_on_8_devices(MOE_SCRIPT, paths, 600).items():
+        assert row["mesh"] == {"data": 1, "expert": 2, "model": 2}
+        assert row["unmatched"] == [] and row["devices"] == 4, path
+        assert row["specs"]["experts_gate"] == ["expert", None, "model"], path
+        assert row["specs"]["experts_up"] == ["expert", None, "model"], path
+        assert row["specs"]["experts_down"] == ["expert", "model"], path
+        assert row["specs"]["router"] == [], path
+        assert all(len(t) == 8 for t in row["reference"]), path
+        assert row["sharded"] == row["reference"] and row["engine"] == row["reference"], path
+
+
+def test_parse_mesh_expert_axis():
+    mesh = sharding.parse_mesh("expert=1,model=1")
+    assert dict(mesh.shape) == {"data": 1, "model": 1}   # an expert axis of 1 is left out
+    with pytest.raises(ValueError, match="expert"):
+        sharding.make_mesh(1, 1, expert=0)

@@ -74,7 +74,8 @@ def test_speculative_greedy_equals_target_greedy(target, draft, kind):
         assert out.stats["accepted"][0] > 0
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gemma2", "gemma3", "phi3"])
+@pytest.mark.parametrize("family", ["qwen3", "gemma2", "gemma3", "phi3", "mixtral",
+                                    "qwen3_moe"])
 def test_speculative_greedy_with_a_same_family_draft(tiny_hf_checkpoint, family):
     """A family's tiny HF checkpoint with a draft of its own family (its first layer alone):
     greedy speculative tokens equal the target's greedy tokens."""
@@ -85,7 +86,8 @@ def test_speculative_greedy_with_a_same_family_draft(tiny_hf_checkpoint, family)
     tm, tp, _ = models.load(tiny_hf_checkpoint(family))
     c = tm.config
     one = dict(num_layers=1, **({"layer_types": c.layer_types[:1]}
-                                if isinstance(tm, models.Gemma) else {}))
+                                if isinstance(tm, models.Gemma) else {}),
+               **({"sparse_layers": c.sparse_layers[:1]} if isinstance(tm, models.Moe) else {}))
     dm = dataclasses.replace(tm, config=dataclasses.replace(c, **one))
     dp = dict(tp, layers=tp["layers"][:1])
     prompts = [[5, 6, 7, 5, 6, 7], [30, 31, 32, 33, 34], [9]]

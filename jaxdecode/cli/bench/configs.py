@@ -25,6 +25,12 @@ BENCH_CONFIGS = {
                       num_key_value_heads=8, head_dim=64, max_position_embeddings=4096,
                       rms_norm_eps=1e-6, sliding_window=512, query_pre_attn_scalar=64,
                       attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
+    # Mixtral-shaped at llama-512's active size: 8 experts, top 2, experts of 688 (half of
+    # llama-512's 1376), so a token's active MLP weights equal llama-512's (4x its total).
+    "moe-512": dict(model_type="mixtral", vocab_size=8192, hidden_size=512,
+                    intermediate_size=688, num_hidden_layers=8, num_attention_heads=8,
+                    num_key_value_heads=8, max_position_embeddings=4096, rms_norm_eps=1e-5,
+                    rope_theta=10000.0, num_local_experts=8, num_experts_per_tok=2),
     "llama-tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128,
                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                        max_position_embeddings=256, rms_norm_eps=1e-5),
@@ -54,6 +60,12 @@ def named_model(name: str, **replace):
             attn_logit_softcapping=c["attn_logit_softcapping"],
             final_logit_softcapping=c["final_logit_softcapping"])
         return models.Gemma(dataclasses.replace(config, **replace))
+    if c.get("model_type") == "mixtral":
+        config = models.MoeConfig(
+            **common, rope_theta=c["rope_theta"], num_experts=c["num_local_experts"],
+            num_experts_per_tok=c["num_experts_per_tok"],
+            moe_intermediate_size=c["intermediate_size"])
+        return models.Moe(dataclasses.replace(config, **replace))
     return models.Llama(dataclasses.replace(models.LlamaConfig(**common), **replace))
 
 
