@@ -138,7 +138,9 @@ def test_mistral_sliding_window_matters(tiny_hf_checkpoint):
 @pytest.mark.parametrize("name,override", [
     ("gemma2", {"attn_logit_softcapping": None}), ("gemma2", {"final_logit_softcapping": None}),
     ("gemma3", {"sliding_window": 64}), ("phi3", {"sliding_window": None}),
-], ids=["gemma2-attn-softcap", "gemma2-final-softcap", "gemma3-window", "phi3-window"])
+    ("mixtral", {"num_experts_per_tok": 1}), ("qwen3_moe", {"norm_topk_prob": True}),
+], ids=["gemma2-attn-softcap", "gemma2-final-softcap", "gemma3-window", "phi3-window",
+        "mixtral-top-k", "qwen3_moe-norm-topk"])
 def test_fixture_features_matter(tiny_hf_checkpoint, name, override):
     """Each feature the new fixtures configure changes HF's logits on the parity prompt, so the
     parity above checks it."""
@@ -150,6 +152,28 @@ def test_fixture_features_matter(tiny_hf_checkpoint, name, override):
     with torch.no_grad():
         diff = (_hf_model(str(path))(ids).logits - other(ids).logits).abs().max().item()
     assert diff > 1e-2
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+def test_moe_gather_dispatch_equals_dense(tiny_hf_checkpoint, name):
+    """The "gather" dispatch form (models/moe.py) computes what the default "dense" one does:
+    prefill logits within 1e-5, the same routing (a dense layer between sparse ones for
+    Qwen3-MoE, the top 2 of 4 experts renormalised for Mixtral only), the same greedy tokens."""
+    _, model, params, prompts = _load(tiny_hf_checkpoint, name)
+    c = model.config
+    assert c.num_experts == 4 and c.num_experts_per_tok == 2 and c.dispatch == "dense"
+    assert c.norm_topk_prob == (name == "mixtral")
+    assert c.sparse_layers == (() if name == "mixtral" else (True, False, True))
+    gather = dataclasses.replace(model, config=dataclasses.replace(c, dispatch="gather"))
+    tokens, positions, lengths = _batch(prompts)
+    dense, _ = _forward(model, params, tokens, positions, model.init_cache(2, MAX_LEN), lengths)
+    other, _ = _forward(gather, params, tokens, positions, gather.init_cache(2, MAX_LEN), lengths)
+    for b, p in enumerate(prompts):
+        np.testing.assert_allclose(np.asarray(other[b, :len(p)]), np.asarray(dense[b, :len(p)]),
+                                   atol=1e-5, rtol=1e-5)
+    sp = jd.SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    np.testing.assert_array_equal(jd.generate(gather, params, prompts, sp).token_ids,
+                                  jd.generate(model, params, prompts, sp).token_ids)
 
 
 def test_load_config_fields(tiny_hf_checkpoint):
