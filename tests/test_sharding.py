@@ -212,7 +212,8 @@ def test_parse_mesh_and_serve_flag():
     assert args.mesh == "data=1,model=1"
 
 
-FAMILY_SCRIPT = textwrap.dedent(r"""
+# The start of both family scripts: a byte tokenizer, 8 greedy tokens, three ragged prompts.
+_FAMILY_SETUP = textwrap.dedent(r"""
     import json
     import sys
     import jax
@@ -220,12 +221,16 @@ FAMILY_SCRIPT = textwrap.dedent(r"""
     import models
     from tests.host_fixtures import byte_level_from_table
 
-    assert jax.device_count() == 8, jax.devices()
     tok = byte_level_from_table({})
     greedy = jd.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True,
                                utf8_errors="replace")
     prompts = [[5, 6, 7, 8, 9, 10], [9, 10], [40, 41, 42, 43]]
     out = {}
+""")
+
+
+FAMILY_SCRIPT = _FAMILY_SETUP + textwrap.dedent(r"""
+    assert jax.device_count() == 8, jax.devices()
     for path in sys.argv[1:]:
         model, params, _ = models.load(path)
         row = {"reference": jd.generate(model, params, prompts, greedy).token_ids.tolist()}
@@ -254,19 +259,7 @@ def test_new_families_shard_like_one_device(tiny_hf_checkpoint):
             assert row[f"{mesh}-engine"] == row["reference"], (path, mesh)
 
 
-MOE_SCRIPT = textwrap.dedent(r"""
-    import json
-    import sys
-    import jax
-    import jaxdecode as jd
-    import models
-    from tests.host_fixtures import byte_level_from_table
-
-    tok = byte_level_from_table({})
-    greedy = jd.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True,
-                               utf8_errors="replace")
-    prompts = [[5, 6, 7, 8, 9, 10], [9, 10], [40, 41, 42, 43]]
-    out = {}
+MOE_SCRIPT = _FAMILY_SETUP + textwrap.dedent(r"""
     for path in sys.argv[1:]:
         model, params, _ = models.load(path)
         mesh = models.make_mesh(1, 2, devices=jax.devices()[:4], expert=2)
