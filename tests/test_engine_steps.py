@@ -216,6 +216,13 @@ def test_save_request_of_a_request_that_ends_first_names_it(tmp_path):
     with jd.LLM(model, {}, byte_tokenizer(), max_slots=2, max_len=64) as llm:
         h = llm.submit([1, 2], jd.SamplingParams(temperature=0.0, max_tokens=3))
         next(e for e in h.events(timeout=30) if e.kind == "delta")
+        # The race made certain: wait until the call that ends it (steps 2..9 >= its 3 tokens)
+        # is dispatched, so the pause can only land after the end.
+        placements = llm._core.scheduler.placements
+        deadline = time.monotonic() + 30
+        while (placed := placements.get(h._request)) is not None and placed.dispatched < 3:
+            assert time.monotonic() < deadline, "the request's last step was never dispatched"
+            time.sleep(0.0005)
         t0 = time.perf_counter()
         with pytest.raises(ValueError, match="^request"):
             llm.save_request(h, str(tmp_path / "saved"), timeout=30)
