@@ -102,6 +102,12 @@ def simple_template(messages: Sequence[dict], tools: Optional[Sequence[dict]] = 
         for m in messages) + "<|assistant|>\n"
 
 
+def writes_hermes_calls(tokenizer: Any) -> bool:
+    """Whether the model's tool calls come as Hermes / Qwen ``<tool_call>`` blocks: its chat
+    template names them, or it has none (the simple template renders calls so)."""
+    return not has_chat_template(tokenizer) or "<tool_call>" in str(tokenizer.chat_template)
+
+
 def has_chat_template(tokenizer: Any) -> bool:
     return bool(getattr(tokenizer, "chat_template", None)) and hasattr(
         tokenizer, "apply_chat_template")

@@ -96,7 +96,7 @@ def submit(llm: Any, req: Any, *, chat: bool, request_id: str, stream: bool, max
            tools: Optional[ToolPlan] = None, lora: Optional[str] = None) -> tuple[list, list]:
     """Validate, tokenize and queue every choice (runs in a worker thread; `cancelled()`
     true abandons a constraint compile). Returns (handles, prompt ids). `tools` (chat, from
-    `serving.tools.plan_for`): a named or required plan's constraint replaces
+    `serving.tools.plan_for`): a named, required or auto-Hermes plan's constraint replaces
     ``response_format``, and its compile errors name ``tools``; `lora`: the adapter the request's
     ``model`` selected (`check_model`)."""
     check_unsupported(req, chat=chat, max_n=max_n)
@@ -105,16 +105,16 @@ def submit(llm: Any, req: Any, *, chat: bool, request_id: str, stream: bool, max
     sp = sampling_params(req, chat=chat, stream=stream, default_max_tokens=default_max)
     if lora is not None:
         sp = dataclasses.replace(sp, lora=lora)
-    constrained = tools is not None and tools.constrained
+    constraint = None if tools is None else tools.response_format()
     _, mt_name = max_tokens_field(req, chat)
     try:
-        if constrained:
-            sp = dataclasses.replace(sp, response_format=tools.response_format())
+        if constraint is not None:
+            sp = dataclasses.replace(sp, response_format=constraint)
         ids = prompt_ids(llm, req, chat, tools)
         handles = llm.submit_n(ids, dataclasses.replace(sp, n=n), request_id=request_id,
                                cancelled=cancelled)
     except ValueError as exc:
-        if constrained and str(exc).startswith("response_format"):
+        if constraint is not None and str(exc).startswith("response_format"):
             raise tools_error(exc) from None
         raise error_from_value_error(exc, chat=chat, max_tokens_name=mt_name) from None
     except QueueFull as exc:

@@ -11,6 +11,9 @@ and the device constraint that makes named and required calls valid by construct
   branch per tool (the name a constant, the arguments that tool's schema), compact JSON
   (whitespace pattern ``""``) so the streamed pieces can be cut from it (`serving.tool_calls`);
 - auto: free text; Hermes / Qwen ``<tool_call>{...}</tool_call>`` blocks in it become calls;
+  where the model writes that format (`serving.chat.writes_hermes_calls`) the output runs
+  under `auto_regex`: any text, and once a ``<tool_call>`` has started, a call of one of the
+  tools (its arguments under its schema) and its ``</tool_call>`` -- valid once started;
 - none: free text (the tools are still rendered into the prompt, as vLLM does).
 
 Every `parameters` schema is translated at validation, so a schema the compiler cannot honour
@@ -66,6 +69,7 @@ class ToolPlan:
     tools: tuple[Tool, ...]
     mode: str             # "none" | "auto" | "required" | "named"
     name: Optional[str] = None  # the named tool
+    hermes_grammar: bool = False  # auto: the output under `auto_regex`
 
     @property
     def constrained(self) -> bool:
@@ -80,6 +84,8 @@ class ToolPlan:
             return schema_format(self.tool(self.name).parameters)
         if self.mode == "required":
             return schema_format(required_schema(self.tools), whitespace="")
+        if self.hermes_grammar:
+            return {"type": "regex", "pattern": auto_regex(self.tools)}
         return None
 
     def templated(self) -> list[dict]:
@@ -92,6 +98,33 @@ def required_schema(tools: tuple[Tool, ...]) -> dict:
                        "properties": {"name": {"const": t.name}, "arguments": t.parameters},
                        "required": ["name", "arguments"], "additionalProperties": False}
                       for t in tools]}
+
+
+def _class_char(c: str) -> str:
+    return "\\" + c if c in "\\]^-[" else c
+
+
+def text_without(marker: str) -> str:
+    """A regex of every text in which `marker` does not occur (its first character must not
+    occur again in it): runs of other characters, each occurrence of the first character
+    followed by anything that does not complete the marker."""
+    first, rest = marker[0], marker[1:]
+    assert first not in rest, marker
+    other = f"[^{_class_char(first)}]"
+    tail = ""  # the text after one `first`, up to the next: not starting with `rest`
+    for i, c in reversed(list(enumerate(rest))):
+        breaks = f"[^{_class_char(first)}{_class_char(c)}]{other}*"
+        tail = f"(?:{breaks})?" if i == len(rest) - 1 else f"(?:{breaks}|{re.escape(c)}{tail})?"
+    return f"{other}*(?:{re.escape(first)}{tail})*"
+
+
+def auto_regex(tools: tuple[Tool, ...]) -> str:
+    """Auto tool calls in the Hermes / Qwen format, valid once started: free text without
+    ``<tool_call>``, and after each ``<tool_call>`` one call of the tools (the `required`
+    object, a space allowed after its separators) closed by ``</tool_call>``."""
+    call = regex_for(validate_response_format(schema_format(required_schema(tools), " ?")))
+    text = text_without("<tool_call>")
+    return f"{text}(?:<tool_call>\n?(?:{call})\n?</tool_call>{text})*"
 
 
 def _field(obj: dict, key: str, kind: type, where: str, required: bool = True) -> Any:
@@ -142,8 +175,12 @@ def check_schema(rf: dict, where: str) -> None:
         raise bad_request(f"tools: {where}: {reason}", "tools") from None
 
 
-def plan_for(tools: Any, tool_choice: Any, response_format: Any) -> Optional[ToolPlan]:
-    """The request's ToolPlan (None without tools and tool_choice); 400 naming the field."""
+def plan_for(tools: Any, tool_choice: Any, response_format: Any,
+             hermes_calls: bool = False) -> Optional[ToolPlan]:
+    """The request's ToolPlan (None without tools and tool_choice); 400 naming the field.
+    `hermes_calls`: the model writes Hermes calls, so auto runs under `auto_regex` (unless
+    the request has its own ``response_format``, or its tools cannot be combined into one
+    call schema: then auto calls are parsed only)."""
     if tools is None:
         if tool_choice not in (None, "none"):
             raise bad_request("tool_choice: needs 'tools'", "tool_choice")
@@ -168,6 +205,12 @@ def plan_for(tools: Any, tool_choice: Any, response_format: Any) -> Optional[Too
         raise bad_request(f"tool_choice: must be one of {list(MODES)} or a named function, got "
                           f"{choice!r}", "tool_choice")
     plan = ToolPlan(parsed, mode, name)
+    if mode == "auto" and hermes_calls and response_format in (None, {"type": "text"}):
+        try:
+            auto_regex(parsed)
+            plan = dataclasses.replace(plan, hermes_grammar=True)
+        except ValueError:  # e.g. a $ref that no longer resolves inside the anyOf
+            pass
     if plan.constrained:
         if response_format is not None and response_format.get("type") != "text":
             raise bad_request(f"tool_choice: {mode} tool calls cannot be combined with "

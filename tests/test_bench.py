@@ -1,6 +1,8 @@
 """`jaxdecode bench`'s decode table: the HF column says what it ran on (framework, device, dtype),
 so a report from an accelerator names the GPU run beside jaxdecode's."""
 
+import argparse
+
 import pytest
 
 pytest.importorskip("torch")
@@ -94,3 +96,32 @@ def test_lora_section_times_two_adapters_beside_none(tmp_path):
         assert row["none_step_ms"] > 0 and row["lora_step_ms"] > 0
         assert row["compiles_after_warmup"] == 0
     assert "2 adapters" in lora.format_lora_table(report)
+
+
+def test_paged_section_with_int8_kv_times_int8_pages_beside_float_ones(tmp_path):
+    """`bench --paged --kv-cache-dtype int8` (contract §12): per batch the step over int8 pages
+    beside the float pages and the contiguous cache, with the positions each pool holds per
+    GiB (a float32 model's int8 pool: about 4x, less its scales)."""
+    from jaxdecode.cli.bench import paged
+    from jaxdecode.cli.bench.configs import bench_model
+
+    model, params, _ = bench_model("llama-tiny", False, str(tmp_path))
+    report = paged.time_paged(model, params, batches=(1, 2), steps=2, repeats=1,
+                              kv_cache_dtype="int8")
+    for row in report["rows"]:
+        assert row["paged_int8_step_ms"] > 0 and row["paged_step_ms"] > 0
+        assert row["compiles_after_warmup"] == 0
+    per_gib = report["tokens_per_gib"]
+    head_dim = model.config.head_dim
+    assert per_gib["int8"] / per_gib["auto"] == pytest.approx(4 * head_dim / (head_dim + 2),
+                                                              rel=1e-3)
+    assert "int8 pages" in paged.format_paged_table(report)
+
+
+def test_kv_cache_dtype_flag_needs_a_section_that_reads_the_pool():
+    from jaxdecode.cli.bench.command import _settle
+
+    args = argparse.Namespace(kv_cache_dtype="int8", paged=False, engine=False, report=None,
+                              invariance_tax=False, batch_invariant=True)
+    with pytest.raises(SystemExit, match="--kv-cache-dtype"):
+        _settle(args)

@@ -21,6 +21,7 @@ import pytest
 import jaxdecode as jd
 from jaxdecode.device import constraints, decode
 from jaxdecode.device import state as codes
+from jaxdecode.device.constraints.index_worker import end_marked
 from jaxdecode.device.constraints import tables as ctables
 from jaxdecode.tokenization import encode
 from tests.scripted import ScriptedModel
@@ -88,6 +89,22 @@ def test_grammar_rejected_at_submission_says_why(rf, match):
     sp = jd.SamplingParams(temperature=0.0, max_tokens=4, response_format=rf)
     with pytest.raises(ValueError, match=f"^response_format.*{match}"):
         jd.generate(model, {}, [[3]], sp, tokenizer=TINY_BYTES)
+
+
+@pytest.mark.parametrize("pattern,text", [("ab(x)?", b"abx"), ("ab|abxy", b"abxy"),
+                                          ("1(y2)?", b"1y2"), ("a*(b1)?", b"aab1")])
+def test_grammar_keeps_the_ways_on_from_where_the_pattern_may_end(pattern, text):
+    """A state where the pattern may end keeps its edges (outlines-core 0.2.14 alone drops
+    those into states where it may not: `ab(x)?` never wrote `abx`); EOS stays allowed there."""
+    vocab = constraints.vocab_for(TINY_BYTES, 16)
+    c = constraints.compile_format({"type": "regex", "pattern": pattern}, vocab)
+    ids = {b: i for i, b in enumerate(TINY_BYTES) if b}
+    state, seen = 0, [0]
+    for ch in text:
+        state = c.next_state(state, ids[bytes([ch])])
+        assert state >= 0, (pattern, text)
+        seen.append(state)
+    assert c.accepting[state] and any(c.accepting[s] for s in seen[1:-1])
 
 
 def test_grammar_needs_a_tokenizer():
@@ -210,16 +227,21 @@ def test_grammar_tables_agree_with_outlines_index(demo_tokenizer, dense):
     lookup_fn = jax.jit(lambda s, t: ctables.lookup(tables, s, t))
     rng = np.random.default_rng(0)
     for c in compiled:
-        index = outlines_core.Index(c.regex, vocab.outlines())
+        # the pattern is compiled end-marked (index_worker.end_marked): EOS where the mark may
+        # follow; a token is allowed where it leads to a state we kept (trimmed: a dead end
+        # or a state inside the mark is none)
+        index = outlines_core.Index(end_marked(c.regex, vocab.end_char), vocab.outlines())
         off = bundle.offsets[c.key]
         ours = {int(o): i for i, o in enumerate(c.outlines_states)}
         states = rng.choice(c.num_states, size=min(12, c.num_states), replace=False)
         got = np.asarray(allowed_fn(jnp.asarray(states + off, jnp.int32)))
         for row, s in enumerate(states):
             o = int(c.outlines_states[s])
-            want = set(index.get_allowed_tokens(o)) - {vocab.outlines_eos}
+            allowed = set(index.get_allowed_tokens(o))
+            want = {t for t in allowed - {vocab.outlines_eos, vocab.outlines_end}
+                    if index.get_next_state(o, t) in ours}
             assert set(np.flatnonzero(got[row])) - {0} == want
-            assert bool(got[row, 0]) == index.is_final_state(o)  # EOS iff accepting
+            assert bool(got[row, 0]) == (vocab.outlines_end in allowed)  # EOS iff accepting
             toks = rng.choice(sorted(want), size=min(8, len(want)), replace=False).tolist()
             bad = [t for t in rng.integers(1, v, size=8).tolist() if t not in want]
             nxt = np.asarray(lookup_fn(jnp.full(len(toks) + len(bad), s + off, jnp.int32),

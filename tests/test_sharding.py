@@ -14,6 +14,7 @@ from jax.sharding import AbstractMesh, PartitionSpec as P
 
 from models import GPT2, GPT2Config, Gemma, GemmaConfig, Llama, LlamaConfig
 from models import sharding
+import models
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -247,16 +248,29 @@ FAMILY_SCRIPT = _FAMILY_SETUP + textwrap.dedent(r"""
 """)
 
 
-def test_new_families_shard_like_one_device(tiny_hf_checkpoint):
+@pytest.mark.parametrize("families", [
+    ("gemma3",),  # the most of the new pieces: q/k norms, soft-caps, local/global rope
+    pytest.param(("qwen3", "gemma2", "phi3"), marks=pytest.mark.exhaustive)])
+def test_new_families_shard_like_one_device(tiny_hf_checkpoint, families):
     """Qwen3, Gemma 2, Gemma 3 and Phi-3 (tiny HF checkpoints) on 8 simulated devices, meshes
-    1x2 and 4x2: greedy tokens of jd.generate and of the engine equal one device's."""
-    paths = [str(tiny_hf_checkpoint(n)) for n in ("qwen3", "gemma2", "gemma3", "phi3")]
+    1x2 and 4x2: greedy tokens of jd.generate and of the engine equal one device's (Gemma 3
+    by default, the rest with the exhaustive variants; every family's rules: below)."""
+    paths = [str(tiny_hf_checkpoint(n)) for n in families]
     for path, row in _run_on_8_devices(FAMILY_SCRIPT, paths, 900).items():
         assert row["unmatched"] == [], path
         assert all(len(t) == 8 for t in row["reference"]), path
         for mesh in ("1x2", "4x2"):
             assert row[mesh] == row["reference"], (path, mesh)
             assert row[f"{mesh}-engine"] == row["reference"], (path, mesh)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma2", "gemma3", "phi3", "mixtral",
+                                    "qwen3_moe"])
+def test_rules_place_every_parameter_of_every_new_family(tiny_hf_checkpoint, family):
+    """Every leaf of each new family (Phi-3's split fused weights, Gemma's extra norms, MoE
+    experts and router) matched by a rule of the sharding table: none replicated by default."""
+    _, params, _ = models.load(str(tiny_hf_checkpoint(family)))
+    assert sharding.unmatched(params) == []
 
 
 MOE_SCRIPT = _FAMILY_SETUP + textwrap.dedent(r"""
@@ -279,11 +293,13 @@ MOE_SCRIPT = _FAMILY_SETUP + textwrap.dedent(r"""
 """)
 
 
-def test_moe_on_an_expert_axis_of_2_matches_one_device(tiny_hf_checkpoint):
-    """Mixtral and Qwen3-MoE on a mesh data=1, expert=2, model=2 of 4 simulated devices: the
-    experts split over "expert" (each expert's F over "model"), and the greedy tokens of
-    jd.generate and of the engine equal one device's."""
-    paths = [str(tiny_hf_checkpoint(n)) for n in ("mixtral", "qwen3_moe")]
+@pytest.mark.parametrize("family", ["mixtral",
+                                    pytest.param("qwen3_moe", marks=pytest.mark.exhaustive)])
+def test_moe_on_an_expert_axis_of_2_matches_one_device(tiny_hf_checkpoint, family):
+    """Mixtral (and, exhaustive, Qwen3-MoE) on a mesh data=1, expert=2, model=2 of 4 simulated
+    devices: the experts split over "expert" (each expert's F over "model"), and the greedy
+    tokens of jd.generate and of the engine equal one device's."""
+    paths = [str(tiny_hf_checkpoint(family))]
     for path, row in _run_on_8_devices(MOE_SCRIPT, paths, 600).items():
         assert row["mesh"] == {"data": 1, "expert": 2, "model": 2}
         assert row["unmatched"] == [] and row["devices"] == 4, path

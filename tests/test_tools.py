@@ -7,8 +7,10 @@ is accepted, auto reads Hermes blocks, bad tools are 400s and the server keeps s
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
+import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
@@ -204,6 +206,85 @@ def test_bad_tools_are_400s_naming_the_field_and_the_server_keeps_serving(client
     assert error["param"] == param and fragment in error["message"], error
     ok = _create(client, NAMED, 1)
     _check_call(ok.choices[0].message.tool_calls[0])
+
+
+def test_auto_calls_in_the_served_output_are_valid_or_absent(client):
+    """Auto on a model that writes Hermes calls (the demo's simple template): the output runs
+    under the auto grammar, so a `<tool_call>` that starts is a valid call and never text."""
+    shots = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>\n' * 6
+    resp = client.chat.completions.create(
+        model="demo", messages=[{"role": "user", "content": shots}], tools=TOOLS, seed=3, n=N,
+        temperature=1.0, max_tokens=96)
+    for ch in resp.choices:
+        assert "<tool_call>" not in (ch.message.content or "")
+        for c in ch.message.tool_calls or ():
+            _check_call(c)
+
+
+# -- the auto grammar, on the demo vocabulary without a model ----------------------------------
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet="<tool_call>x\n", max_size=40))
+def test_text_without_the_marker_is_every_text_that_lacks_it(text):
+    from serving.tools import text_without
+
+    assert (re.fullmatch(text_without("<tool_call>"), text) is not None) == (
+        "<tool_call>" not in text)
+
+
+def test_auto_grammar_keeps_a_started_call_valid_on_every_path():
+    """Random walks through the compiled auto grammar (demo vocabulary) from "Sure.
+    <tool_call>": every path that reaches an accepting state after `</tool_call>` holds one
+    call that validates against its tool's schema; a token that breaks the JSON is masked
+    right after the marker, while free text takes it."""
+    import models
+    from jaxdecode.device.constraints.compile import compile_format
+    from jaxdecode.device.constraints.vocab import vocab_for
+    from serving.chat import writes_hermes_calls
+
+    model, _, tok = models.demo()
+    assert writes_hermes_calls(tok)
+    plan = plan_for(TOOLS, "auto", None, hermes_calls=True)
+    index = compile_format(plan.response_format(), vocab_for(tok, model.config.vocab_size))
+    prefix = tok.encode("Sure. <tool_call>").ids
+    start = index.walk(prefix)
+    x = tok.encode("x").ids[0]
+    assert index.walk(tok.encode("Sure. ").ids + [x]) >= 0 and start >= 0
+    assert index.next_state(start, x) == -1 and not index.accepting[start]
+    rng, names = np.random.default_rng(0), set()
+    for _ in range(12):
+        ids, state = list(prefix), start
+        while not (index.accepting[state] and "</tool_call>" in tok.decode(ids)):
+            lo, hi = index.indptr[state], index.indptr[state + 1]
+            assert hi > lo and len(ids) < 400, tok.decode(ids)
+            k = rng.integers(lo, hi)
+            ids.append(int(index.tokens[k]))
+            state = int(index.targets[k])
+        text = tok.decode(ids)  # the closing token may carry text on past the call
+        message, has_calls = final_message(plan, text, True)
+        assert has_calls and message["content"] == "Sure. " + text.split("</tool_call>")[1]
+        call = message["tool_calls"][0]["function"]
+        jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
+        names.add(call["name"])
+    assert names == set(SCHEMAS)
+
+
+def test_auto_grammar_applies_only_where_the_model_writes_hermes_calls():
+    plan = plan_for(TOOLS, "auto", None, hermes_calls=True)
+    assert plan.response_format()["type"] == "regex" and not plan.constrained
+    assert plan_for(TOOLS, "auto", None).response_format() is None
+    rf = {"type": "json_object"}
+    assert plan_for(TOOLS, "auto", rf, hermes_calls=True).response_format() is None
+    assert plan_for(TOOLS, "none", None, hermes_calls=True).response_format() is None
+    from types import SimpleNamespace
+
+    from serving.chat import writes_hermes_calls
+
+    llama3 = SimpleNamespace(chat_template="{{ messages }} <|python_tag|>",
+                             apply_chat_template=lambda *a, **k: "")
+    assert not writes_hermes_calls(llama3)
+    assert writes_hermes_calls(SimpleNamespace(chat_template="{{ '<tool_call>' }}",
+                                               apply_chat_template=lambda *a, **k: ""))
 
 
 # -- the parsers, without a model ----------------------------------------------------------------

@@ -14,7 +14,8 @@ from jaxdecode.cli.bench import structured
 from jaxdecode.cli.bench import throughput
 from jaxdecode.cli.bench.configs import BENCH_CONFIGS, bench_model, hf_comparable, host_model
 from jaxdecode.cli.bench.timing import BenchConfig
-from serving.loading import add_batch_invariance_argument, add_quantization_argument
+from serving.loading import (add_batch_invariance_argument, add_kv_cache_dtype_argument,
+                             add_quantization_argument)
 
 
 def add_parser(sub) -> None:
@@ -34,6 +35,7 @@ def bench_arguments(b) -> None:
                         "docs/batch_invariance.md \"Row tiles as a setting\")")
     add_batch_invariance_argument(b)
     add_quantization_argument(b)
+    add_kv_cache_dtype_argument(b)
     b.add_argument("--invariance-tax", action="store_true",
                    help="also time the fast path (--no-batch-invariant's model) beside the "
                         "batch-invariant one, per batch size: the invariance tax")
@@ -149,6 +151,8 @@ def _settle(args) -> None:
     """Fill in what depends on the backend and on --report."""
     import jax
 
+    if args.kv_cache_dtype != "auto" and not (args.paged or args.engine or args.report):
+        raise SystemExit("--kv-cache-dtype: times the page pool, add --paged or --engine")
     if args.invariance_tax and not args.batch_invariant:
         raise SystemExit("--invariance-tax: not with --no-batch-invariant (the tax is the "
                          "batch-invariant model's time against the fast path's)")
@@ -198,7 +202,8 @@ def _decode_sections(args, cfg: BenchConfig) -> tuple[dict, list]:
             text.append(research.format_research_table(report["research"]))
         if args.paged:
             report["paged"] = paged.time_paged(model, params, cfg.batches,
-                                               repeats=max(cfg.repeats, 5))
+                                               repeats=max(cfg.repeats, 5),
+                                               kv_cache_dtype=args.kv_cache_dtype)
             text.append(paged.format_paged_table(report["paged"]))
         if args.lora:
             report["lora"] = lora.time_lora(model, params, cfg.batches,
@@ -253,14 +258,16 @@ def _host_sections(args, cfg: BenchConfig, report: dict, text: list) -> None:
         text.append(paged.format_itl_table(report["chunked_prefill_itl"]))
     if args.engine:
         report["engine"] = [host.engine_vs_raw(model, params, tokenizer, b, cfg.new_tokens,
-                                               repeats=max(cfg.repeats, 5))
-                            for b in cfg.batches]
+                                               repeats=max(cfg.repeats, 5), kv_cache_dtype=kv)
+                            for b in cfg.batches for kv in dict.fromkeys(
+                                ("auto", args.kv_cache_dtype))]
         if args.report:
             report["recompiles"] = host.recompiles_after_warmup(
                 model, params, tokenizer, requests=100 if args.quick else 1000)
             text.append(f"compilations after warm-up across {report['recompiles']['requests']}"
                         f" mixed engine requests: {report['recompiles']['compiles_after_warmup']}")
-        text += [f"engine with streaming vs raw loop ({spec}, batch {r['batch']}): "
+        text += [f"engine with streaming vs raw loop ({spec}, batch {r['batch']}"
+                 f"{', int8 KV' if r['kv_cache_dtype'] == 'int8' else ''}): "
                  f"{r['engine_tokens_per_s']:.0f} vs {r['raw_tokens_per_s']:.0f} tok/s = "
                  f"{r['fraction'] * 100:.0f}%" for r in report["engine"]]
 

@@ -68,9 +68,10 @@ def host_cost(tokenizer, token_ids: Sequence[int], stops_counts: Sequence[int] =
 # -- engine with streaming vs the raw jitted loop (issue #3) ------------------------------------
 
 def engine_vs_raw(model, params, tokenizer, batch: int, new_tokens: int, prompt_len: int = 16,
-                  repeats: int = 3, seed: int = 0) -> dict:
-    """Tokens/s of `LLM` with every request streamed (deltas read by a consumer thread each)
-    against `generate` on the same model, batch and greedy settings."""
+                  repeats: int = 3, seed: int = 0, kv_cache_dtype: str = "auto") -> dict:
+    """Tokens/s of `LLM` (its page pool of `kv_cache_dtype`) with every request streamed
+    (deltas read by a consumer thread each) against `generate` on the same model, batch and
+    greedy settings."""
     import threading
 
     from jaxdecode.engine import LLM
@@ -82,7 +83,8 @@ def engine_vs_raw(model, params, tokenizer, batch: int, new_tokens: int, prompt_
     raw()
     raw_s = median_time(raw, repeats)
     max_len = min(model.config.max_len, 1 << (prompt_len + new_tokens).bit_length())
-    with LLM(model, params, tokenizer, max_slots=batch, max_len=max_len) as llm:
+    with LLM(model, params, tokenizer, max_slots=batch, max_len=max_len,
+             kv_cache_dtype=kv_cache_dtype) as llm:
         llm.warmup(prompt_len)
 
         def streamed():
@@ -98,7 +100,7 @@ def engine_vs_raw(model, params, tokenizer, batch: int, new_tokens: int, prompt_
         streamed()
         engine_s = median_time(streamed, repeats)
     tokens = batch * new_tokens
-    return {"batch": batch, "raw_tokens_per_s": tokens / raw_s,
+    return {"batch": batch, "kv_cache_dtype": kv_cache_dtype, "raw_tokens_per_s": tokens / raw_s,
             "engine_tokens_per_s": tokens / engine_s, "fraction": raw_s / engine_s}
 
 

@@ -1,5 +1,7 @@
 """`bench --paged`: the decode step over KV pages against the same step over a contiguous
-cache (issue #15: within 10%), measured round-robin in one process at each batch size."""
+cache (issue #15: within 10%), measured round-robin in one process at each batch size; with
+`--kv-cache-dtype int8` also over int8 pages (contract §12), with the tokens each pool holds
+per GiB."""
 
 from __future__ import annotations
 
@@ -14,9 +16,11 @@ from jaxdecode.cli.bench.timing import machine, prompts, step_times
 from jaxdecode.config import SamplingParams
 
 
-def paged_state(state, page_size: int):
+def paged_state(state, page_size: int, kv_cache_dtype: str = "auto"):
     """`state` (a StepState over a contiguous KVCache, as `decode.prepare` builds it) with its
-    cache copied into a page pool: row b's positions in pages 1 + b * P, ... (page 0 null)."""
+    cache copied into a page pool: row b's positions in pages 1 + b * P, ... (page 0 null);
+    `kv_cache_dtype` "int8" quantizes the pool (a scale per token and kv head)."""
+    from jaxdecode import kv_int8
     from jaxdecode.model_api import PagedKVCache
 
     cache = state.cache
@@ -30,20 +34,35 @@ def paged_state(state, page_size: int):
         return jnp.pad(x, ((0, 0), (0, 0), (1, 0), (0, 0), (0, 0)))
 
     table = 1 + np.arange(b * per_row, dtype=np.int32).reshape(b, per_row)
-    return state.replace(cache=PagedKVCache(k=pool(cache.k), v=pool(cache.v),
-                                            page_table=jnp.asarray(table),
-                                            lengths=cache.lengths, max_len=max_len))
+    (k, k_scale), (v, v_scale) = ((kv_int8.quantize(pool(x)) if kv_cache_dtype == "int8"
+                                   else (pool(x), None)) for x in (cache.k, cache.v))
+    return state.replace(cache=PagedKVCache(k=k, v=v, page_table=jnp.asarray(table),
+                                            lengths=cache.lengths, k_scale=k_scale,
+                                            v_scale=v_scale, max_len=max_len))
+
+
+def tokens_per_gib(model, params, kv_cache_dtype: str) -> int:
+    """Positions a page pool of 1 GiB holds for `model` (keys, values and int8 scales)."""
+    import jax
+
+    from serving.server import kv_page_bytes
+
+    return (1 << 30) // kv_page_bytes(model, jax.tree.leaves(params)[0].dtype, 1, kv_cache_dtype)
 
 
 def time_paged(model, params, batches: Sequence[int] = (1, 16), steps: int = 32,
-               repeats: int = 5, page_size: int = 16, prompt_len: int = 16) -> dict:
-    """Chained decode-step time, contiguous cache vs pages, per batch size (sampled rows, the
-    attention bucket of the engine's first steps)."""
+               repeats: int = 5, page_size: int = 16, prompt_len: int = 16,
+               kv_cache_dtype: str = "auto") -> dict:
+    """Chained decode-step time, contiguous cache vs pages (and int8 pages with
+    `kv_cache_dtype` "int8"), per batch size (sampled rows, the attention bucket of the
+    engine's first steps)."""
     from jaxdecode.device.decode import StepConfig, decode_step_jit, prepare
     from jaxdecode.shapes import kv_bucket
 
     report: dict = {"machine": machine(), "steps": steps, "repeats": repeats,
-                    "page_size": page_size, "rows": []}
+                    "page_size": page_size, "kv_cache_dtype": kv_cache_dtype, "rows": [],
+                    "tokens_per_gib": {d: tokens_per_gib(model, params, d)
+                                       for d in ("auto", kv_cache_dtype)}}
     ids = prompts(max(batches), prompt_len, model.config.vocab_size, 0)
     for batch in batches:
         sp = [SamplingParams(seed=r, max_tokens=steps + 1, ignore_eos=True)
@@ -53,17 +72,28 @@ def time_paged(model, params, batches: Sequence[int] = (1, 16), steps: int = 32,
         step = functools.partial(decode_step_jit, params=params,
                                  config=StepConfig(model, kv_len=kv))
         runs = {"contiguous": (step, state), "paged": (step, paged_state(state, page_size))}
+        if kv_cache_dtype == "int8":
+            runs["paged_int8"] = (step, paged_state(state, page_size, "int8"))
         report["rows"].append({"batch": batch, "kv_len": kv, **step_times(runs, steps, repeats)})
     return report
 
 
 def format_paged_table(report: dict) -> str:
+    int8 = report.get("kv_cache_dtype") == "int8"
     lines = [f"decode step ms, contiguous cache vs pages of {report['page_size']} (median of "
              f"{report['repeats']} x {report['steps']} chained steps):",
-             "| batch | kv_len | contiguous | paged |", "|---:|---:|---:|---:|"]
+             "| batch | kv_len | contiguous | paged |" + (" int8 pages |" if int8 else ""),
+             "|---:|---:|---:|---:|" + ("---:|" if int8 else "")]
     for row in report["rows"]:
-        lines.append(f"| {row['batch']} | {row['kv_len']} | {row['contiguous_step_ms']:.3f} | "
-                     f"{row['paged_step_ms']:.3f} ({row['paged_overhead'] * 100:+.1f}%) |")
+        line = (f"| {row['batch']} | {row['kv_len']} | {row['contiguous_step_ms']:.3f} | "
+                f"{row['paged_step_ms']:.3f} ({row['paged_overhead'] * 100:+.1f}%) |")
+        if int8:
+            line += (f" {row['paged_int8_step_ms']:.3f} "
+                     f"({row['paged_int8_overhead'] * 100:+.1f}%) |")
+        lines.append(line)
+    per_gib = report["tokens_per_gib"]
+    lines.append("KV positions per GiB of pool: " + ", ".join(
+        f"{'int8' if d == 'int8' else 'weights dtype'} {n:,}" for d, n in per_gib.items()))
     return "\n".join(lines)
 
 

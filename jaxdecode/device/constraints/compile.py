@@ -37,7 +37,7 @@ import numpy as np
 
 from jaxdecode.device.constraints import limits
 from jaxdecode.response_format import fail, regex_for, validate_response_format
-from jaxdecode.device.constraints.index_worker import index_tables
+from jaxdecode.device.constraints.index_worker import end_marked, index_tables
 from jaxdecode.device.constraints.vocab import TokenVocab
 from jaxdecode.device.constraints.worker import CompileBudget, compile_in_worker
 
@@ -113,14 +113,14 @@ def _build(regex: str, vocab: TokenVocab, budget: Optional[CompileBudget] = None
         from outlines_core import Index
 
         try:
-            index = Index(regex, vocab.outlines())
+            index = Index(end_marked(regex, vocab.end_char), vocab.outlines())
         except Exception as exc:  # outlines-core raises ValueError for both failures
             msg = str(exc)
             if "incompatible" in msg:
                 fail(f"the pattern cannot be matched with this tokenizer's vocabulary ({msg})")
             fail(f"outlines-core cannot compile the pattern {regex[:200]!r}: {msg}")
         try:
-            tables = index_tables(index, vocab.outlines_eos, max_states)
+            tables = index_tables(index, vocab.outlines_eos, vocab.outlines_end, max_states)
         except ValueError as exc:
             fail(str(exc))
     return CompiledIndex(key=(regex, vocab.hash), regex=regex, vocab_size=vocab.size,

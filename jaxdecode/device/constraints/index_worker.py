@@ -6,7 +6,7 @@ MEMORY_BYTES (RLIMIT_AS), and serves requests read from stdin, one at a time, an
 stdout; each message is a 4-byte big-endian length and a pickle (the parent is the only peer):
 
     ("vocab", key, size, {token bytes: [ids]})   -> ("ok",)
-    ("compile", regex, key, eos, max_states)     -> ("ok", index_tables(...)) | ("error", text)
+    ("compile", regex, key, eos, end, max_states) -> ("ok", index_tables(...)) | ("error", text)
                                                     | ("refused", index_tables' reason)
 
 It exits when stdin closes (the parent went away). A compile that needs more memory than the
@@ -25,27 +25,53 @@ import sys
 import numpy as np
 
 
-def index_tables(index, eos: int, max_states: int) -> dict:
-    """An outlines-core Index as our tables (compile.py's CompiledIndex fields): states renumbered
-    0..S-1 in BFS order from the initial state, the CSR transition list without EOS edges,
-    `accepting`, and `outlines_states` (ours -> outlines-core's). ValueError (text without the
-    field name) for more than `max_states` states or a non-accepting state with no edge."""
+def end_marked(regex: str, end_char: str) -> str:
+    """The pattern the Index is built for: `regex`, then the vocabulary's end mark (its own
+    token, `TokenVocab.outlines_end`): no state of `regex` is final for outlines-core, so it
+    keeps every edge (vocab.py), and the end token's edges say where `regex` may end."""
+    return f"(?:{regex}){end_char}"
+
+
+def index_tables(index, eos: int, end: int, max_states: int) -> dict:
+    """An outlines-core Index of an `end_marked` pattern as our tables (compile.py's
+    CompiledIndex fields): `accepting` where the end token may follow; the CSR transition list
+    without EOS and end edges, and without the edges of real tokens that spell the mark (a
+    byte-level vocabulary can); then trimmed to the states from which an accepting one can be
+    reached (a dead end is never a state), renumbered 0..S-1 in BFS order from the initial
+    state; `outlines_states` (ours -> outlines-core's). ValueError (text without the field name)
+    for more than `max_states` states, or when no output of the pattern can be spelled."""
     transitions = index.get_transitions()
     if len(transitions) > max_states:
         raise ValueError(f"the automaton has {len(transitions)} states, more than the limit "
                          f"{max_states}")
-    finals = set(index.get_final_states())
+    marked = set(index.get_final_states())  # reached through the whole end mark only
+    out = {src: {tok: dst for tok, dst in e.items() if tok not in (eos, end)
+                 and dst not in marked} for src, e in transitions.items()}
+    live = {st for st, e in transitions.items() if end in e}
+    into: dict = {}
+    for src, e in out.items():
+        for dst in e.values():
+            into.setdefault(dst, set()).add(src)
+    frontier = list(live)
+    while frontier:  # backwards from the accepting states
+        for src in into.get(frontier.pop(), ()):
+            if src not in live:
+                live.add(src)
+                frontier.append(src)
     initial = index.get_initial_state()
+    if initial not in live:
+        raise ValueError("the pattern cannot be matched with this tokenizer's vocabulary (no "
+                         "output of it can be spelled with its tokens)")
     order = [initial]
     number = {initial: 0}
     edges: list = []
     for src in order:  # BFS; `order` grows while we walk it
-        out = sorted((tok, dst) for tok, dst in transitions.get(src, {}).items() if tok != eos)
-        for _, dst in out:
+        kept = sorted((tok, dst) for tok, dst in out[src].items() if dst in live)
+        for _, dst in kept:
             if dst not in number:
                 number[dst] = len(order)
                 order.append(dst)
-        edges.append(out)
+        edges.append(kept)
     s = len(order)
     indptr = np.zeros(s + 1, np.int64)
     indptr[1:] = np.cumsum([len(e) for e in edges])
@@ -54,11 +80,7 @@ def index_tables(index, eos: int, max_states: int) -> dict:
     tokens = np.fromiter((t for e in edges for t, _ in e), np.int32, count=int(indptr[-1]))
     targets = np.fromiter((number[d] for e in edges for _, d in e), np.int32,
                           count=int(indptr[-1]))
-    accepting = np.array([st in finals for st in order], bool)
-    dead = ~accepting & (np.diff(indptr) == 0)
-    if dead.any():
-        raise ValueError(f"the pattern has {int(dead.sum())} state(s) that no token of this "
-                         "vocabulary can leave and that do not accept")
+    accepting = np.array([end in transitions[st] for st in order], bool)
     return {"accepting": accepting, "indptr": indptr.astype(np.int32), "tokens": tokens,
             "targets": targets, "outlines_states": np.array(order, np.int64)}
 
@@ -98,10 +120,10 @@ def _serve(memory_bytes: int) -> None:
                 vocabs[key] = Vocabulary(size, mapping)
                 reply = ("ok",)
             else:
-                _, regex, key, eos, max_states = msg
+                _, regex, key, eos, end, max_states = msg
                 index = Index(regex, vocabs[key])
                 try:
-                    reply = ("ok", index_tables(index, eos, max_states))
+                    reply = ("ok", index_tables(index, eos, end, max_states))
                 except ValueError as exc:  # ours: over the state cap, a dead state
                     reply = ("refused", str(exc))
         except MemoryError:

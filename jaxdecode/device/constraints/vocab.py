@@ -13,6 +13,7 @@ shown text differ from the grammar's bytes by that space; byte-level vocabularie
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import threading
@@ -26,11 +27,19 @@ from jaxdecode.tokenization import bytes_to_unicode
 _BYTE_DECODER = {c: b for b, c in bytes_to_unicode().items()}
 
 
+# Candidates for the end mark (`TokenVocab.end_char`): noncharacters no text should hold.
+_END_CHARS = ("\U0010ffff", "\U0010fffe", "\U000fffff", "\uffff")
+
+
 class TokenVocab:
     """token_bytes[i]: the bytes of token i, or None when i may never appear in a grammar.
 
     `hash` identifies the table (the compiled-index cache key); `outlines()` is the matching
-    `outlines_core.Vocabulary` and `mapping()` its input (each built lazily, once)."""
+    `outlines_core.Vocabulary` and `mapping()` its input (each built lazily, once). The mapping
+    also holds one token outside the table, `outlines_end`, spelling `end_char`: compiled
+    patterns end with it (`index_worker.end_marked`), because outlines-core 0.2.14 drops
+    every edge from a state where the pattern may end to one where it may not (``ab(cd)?``
+    never reached ``abcd``); a state is accepting where the end token may follow."""
 
     def __init__(self, token_bytes: Sequence[Optional[bytes]]):
         self.token_bytes = tuple(None if b is None else bytes(b) for b in token_bytes)
@@ -53,6 +62,7 @@ class TokenVocab:
                         mapping.setdefault(b, []).append(i)
                 if not mapping:
                     fail("the tokenizer has no token usable by a grammar")
+                mapping[self.end_char.encode()] = [self.outlines_end]
                 self._mapping = mapping
             return self._mapping
 
@@ -69,6 +79,18 @@ class TokenVocab:
     @property
     def outlines_eos(self) -> int:
         return self.size
+
+    @property
+    def outlines_end(self) -> int:
+        return self.size + 1
+
+    @functools.cached_property
+    def end_char(self) -> str:
+        """The first of _END_CHARS that no token's bytes contain."""
+        for c in _END_CHARS:
+            if not any(b and c.encode() in b for b in self.token_bytes):
+                return c
+        fail("every end mark candidate occurs in the tokenizer's vocabulary")
 
 
 def _backend(tokenizer: Any):

@@ -126,8 +126,10 @@ class WorkerPool:
                 if answer is not None and answer[0] == "ok":
                     worker.vocabs.add(vocab.hash)
             if vocab.hash in worker.vocabs:
-                answer = worker.call(("compile", regex, vocab.hash, vocab.outlines_eos,
-                                      budget.max_states), deadline, cancelled)
+                marked = index_worker.end_marked(regex, vocab.end_char)
+                answer = worker.call(("compile", marked, vocab.hash, vocab.outlines_eos,
+                                      vocab.outlines_end, budget.max_states), deadline,
+                                     cancelled)
         except _Stop as stop:
             self._release(worker, healthy=False)
             self._refuse(stop.reason, budget)
