@@ -44,45 +44,65 @@ def index_tables(index, eos: int, end: int, max_states: int) -> dict:
     if len(transitions) > max_states:
         raise ValueError(f"the automaton has {len(transitions)} states, more than the limit "
                          f"{max_states}")
-    marked = set(index.get_final_states())  # reached through the whole end mark only
-    out = {src: {tok: dst for tok, dst in e.items() if tok not in (eos, end)
-                 and dst not in marked} for src, e in transitions.items()}
-    live = {st for st, e in transitions.items() if end in e}
-    into: dict = {}
-    for src, e in out.items():
-        for dst in e.values():
-            into.setdefault(dst, set()).add(src)
-    frontier = list(live)
-    while frontier:  # backwards from the accepting states
-        for src in into.get(frontier.pop(), ()):
-            if src not in live:
-                live.add(src)
-                frontier.append(src)
-    initial = index.get_initial_state()
-    if initial not in live:
+    ids = np.array(list(transitions), np.int64)  # outlines-core's states, indexed 0..N-1 here
+    rank = np.argsort(ids)
+    counts = np.fromiter((len(e) for e in transitions.values()), np.int64, count=len(ids))
+    n_edges = int(counts.sum())
+    toks = np.fromiter((t for e in transitions.values() for t in e), np.int64, count=n_edges)
+    raw = np.fromiter((d for e in transitions.values() for d in e.values()), np.int64,
+                      count=n_edges)
+    dsts = rank[np.searchsorted(ids, raw, sorter=rank)]
+    srcs = np.repeat(np.arange(len(ids)), counts)
+    accepting = np.zeros(len(ids), bool)
+    accepting[srcs[toks == end]] = True
+    marked = np.isin(ids, list(index.get_final_states()))  # reached through the whole mark only
+    keep = (toks != eos) & (toks != end) & ~marked[dsts]
+    srcs, toks, dsts = srcs[keep], toks[keep], dsts[keep]
+    live = _reaching(accepting, srcs, dsts)
+    initial = int(rank[np.searchsorted(ids, index.get_initial_state(), sorter=rank)])
+    if not live[initial]:
         raise ValueError("the pattern cannot be matched with this tokenizer's vocabulary (no "
                          "output of it can be spelled with its tokens)")
-    order = [initial]
-    number = {initial: 0}
-    edges: list = []
-    for src in order:  # BFS; `order` grows while we walk it
-        kept = sorted((tok, dst) for tok, dst in out[src].items() if dst in live)
-        for _, dst in kept:
-            if dst not in number:
-                number[dst] = len(order)
-                order.append(dst)
-        edges.append(kept)
-    s = len(order)
-    indptr = np.zeros(s + 1, np.int64)
-    indptr[1:] = np.cumsum([len(e) for e in edges])
+    keep = live[dsts]
+    srcs, toks, dsts = srcs[keep], toks[keep], dsts[keep]
+    by_src = np.lexsort((toks, srcs))
+    srcs, toks, dsts = srcs[by_src], toks[by_src], dsts[by_src]
+    starts = np.searchsorted(srcs, np.arange(len(ids) + 1))
+    number = np.full(len(ids), -1, np.int64)
+    number[initial], order = 0, [initial]
+    for src in order:  # BFS; `order` grows while we walk it; new states in token order
+        out = dsts[starts[src]:starts[src + 1]]
+        out = out[number[out] < 0]
+        if out.size:
+            _, first = np.unique(out, return_index=True)
+            new = out[np.sort(first)]
+            number[new] = np.arange(len(order), len(order) + new.size)
+            order.extend(new.tolist())
+    reached = number[srcs] >= 0
+    srcs, toks, dsts = number[srcs[reached]], toks[reached], number[dsts[reached]]
+    by_number = np.lexsort((toks, srcs))
+    indptr = np.zeros(len(order) + 1, np.int64)
+    indptr[1:] = np.cumsum(np.bincount(srcs, minlength=len(order)))
     if indptr[-1] >= 2**31:
         raise ValueError("the automaton is too large (over 2**31 transitions)")
-    tokens = np.fromiter((t for e in edges for t, _ in e), np.int32, count=int(indptr[-1]))
-    targets = np.fromiter((number[d] for e in edges for _, d in e), np.int32,
-                          count=int(indptr[-1]))
-    accepting = np.array([end in transitions[st] for st in order], bool)
-    return {"accepting": accepting, "indptr": indptr.astype(np.int32), "tokens": tokens,
-            "targets": targets, "outlines_states": np.array(order, np.int64)}
+    return {"accepting": accepting[order], "indptr": indptr.astype(np.int32),
+            "tokens": toks[by_number].astype(np.int32),
+            "targets": dsts[by_number].astype(np.int32), "outlines_states": ids[order]}
+
+
+def _reaching(accepting: np.ndarray, srcs: np.ndarray, dsts: np.ndarray) -> np.ndarray:
+    """bool[N]: the states from which an accepting one can be reached along the edges."""
+    live = accepting.copy()
+    by_dst = np.argsort(dsts, kind="stable")
+    into, starts = srcs[by_dst], np.searchsorted(dsts[by_dst], np.arange(len(live) + 1))
+    frontier = list(np.flatnonzero(live))
+    while frontier:  # backwards from the accepting states
+        dst = frontier.pop()
+        came = into[starts[dst]:starts[dst + 1]]
+        came = np.unique(came[~live[came]])
+        live[came] = True
+        frontier.extend(came.tolist())
+    return live
 
 
 def read_message(stream):
