@@ -53,9 +53,10 @@ def test_score_R2_equals_generate_logprobs_in_a_batch(family, name):
         np.testing.assert_allclose(scores[r], out.logprobs[r, :len(c)], rtol=0, atol=TOLERANCE)
 
 
-@pytest.mark.parametrize("name", ["demo", "gpt2"])
+@pytest.mark.parametrize("name", FAMILIES)
 def test_score_R2_equals_engine_logprobs(family, name):
-    """The engine's per-token logprobs (three requests decoded side by side) are scored back."""
+    """The engine's per-token logprobs (three requests decoded side by side, over the paged
+    pool) are scored back, on every family."""
     model, params, tokenizer = family(name)
     # Engine requests are detokenized: draw from the ids the tokenizer knows (the model's
     # vocabulary may be padded past it), seeded by the name so new families shift nothing.
