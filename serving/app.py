@@ -80,7 +80,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from serving.chat import writes_hermes_calls
+from serving.chat import call_format_of
 from serving.logs import log_event
 from serving.metrics import Metrics
 from serving.protocol import (ApiError, ChatCompletionRequest, CompletionRequest, bad_request,
@@ -144,7 +144,7 @@ class Server:
         self.metrics = Metrics(llm, speculative=speculative is not None)
         self.registry = StreamRegistry(max_finished=max_kept_streams, ttl_s=stream_ttl_s)
         self.keepalive_s = keepalive_s
-        self.hermes_calls = writes_hermes_calls(llm.tokenizer)  # auto calls' grammar
+        self.call_format = call_format_of(llm.tokenizer)  # the auto calls' grammar
         self.renderer = Renderer(llm.tokenizer, model_name,
                                  f"jaxdecode-{getattr(llm, 'model_snapshot', '')}")
         self.created = int(time.time())
@@ -220,7 +220,7 @@ class Server:
             stream = bool(req.stream)
             tools = (await anyio.to_thread.run_sync(
                 lambda: plan_for(req.tools, req.tool_choice, req.response_format,
-                                 self.hermes_calls))
+                                 self.call_format))
                 if chat else None)
             handles, ids = await submit_watching(
                 request, self.llm, req, chat=chat, request_id=request_id, stream=stream,

@@ -102,10 +102,19 @@ def simple_template(messages: Sequence[dict], tools: Optional[Sequence[dict]] = 
         for m in messages) + "<|assistant|>\n"
 
 
-def writes_hermes_calls(tokenizer: Any) -> bool:
-    """Whether the model's tool calls come as Hermes / Qwen ``<tool_call>`` blocks: its chat
-    template names them, or it has none (the simple template renders calls so)."""
-    return not has_chat_template(tokenizer) or "<tool_call>" in str(tokenizer.chat_template)
+def call_format_of(tokenizer: Any) -> Optional[str]:
+    """The format the model writes tool calls in, for the auto grammar (`serving.tools`):
+    "hermes" (``<tool_call>`` blocks: its chat template names them, or it has none -- the
+    simple template renders calls so), "llama3" (a template that names ``<|python_tag|>`` or
+    ``"parameters"``: the whole output one JSON call), else None (parsed only)."""
+    if not has_chat_template(tokenizer):
+        return "hermes"
+    template = str(tokenizer.chat_template)
+    if "<tool_call>" in template:
+        return "hermes"
+    if "<|python_tag|>" in template or '"parameters"' in template:
+        return "llama3"
+    return None
 
 
 def has_chat_template(tokenizer: Any) -> bool:

@@ -11,9 +11,10 @@ and the device constraint that makes named and required calls valid by construct
   branch per tool (the name a constant, the arguments that tool's schema), compact JSON
   (whitespace pattern ``""``) so the streamed pieces can be cut from it (`serving.tool_calls`);
 - auto: free text; Hermes / Qwen ``<tool_call>{...}</tool_call>`` blocks in it become calls;
-  where the model writes that format (`serving.chat.writes_hermes_calls`) the output runs
-  under `auto_regex`: any text, and once a ``<tool_call>`` has started, a call of one of the
-  tools (its arguments under its schema) and its ``</tool_call>`` -- valid once started;
+  where the model writes that format (`serving.chat.call_format_of`) the output runs under
+  `auto_regex`: any text, and once a ``<tool_call>`` has started, a call of one of the tools
+  (its arguments under its schema) and its ``</tool_call>`` -- valid once started; for a
+  Llama 3 template, text or (when it opens with ``{``) one ``{"name", "parameters"}`` call;
 - none: free text (the tools are still rendered into the prompt, as vLLM does).
 
 Every `parameters` schema is translated at validation, so a schema the compiler cannot honour
@@ -69,7 +70,7 @@ class ToolPlan:
     tools: tuple[Tool, ...]
     mode: str             # "none" | "auto" | "required" | "named"
     name: Optional[str] = None  # the named tool
-    hermes_grammar: bool = False  # auto: the output under `auto_regex`
+    call_format: Optional[str] = None  # auto: the output under `auto_regex` of this format
 
     @property
     def constrained(self) -> bool:
@@ -84,19 +85,19 @@ class ToolPlan:
             return schema_format(self.tool(self.name).parameters)
         if self.mode == "required":
             return schema_format(required_schema(self.tools), whitespace="")
-        if self.hermes_grammar:
-            return {"type": "regex", "pattern": auto_regex(self.tools)}
+        if self.call_format is not None:
+            return {"type": "regex", "pattern": auto_regex(self.tools, self.call_format)}
         return None
 
     def templated(self) -> list[dict]:
         return [t.as_openai() for t in self.tools]
 
 
-def required_schema(tools: tuple[Tool, ...]) -> dict:
-    """One call of any of `tools`: ``{"name": <const>, "arguments": <its parameters>}``."""
+def required_schema(tools: tuple[Tool, ...], key: str = "arguments") -> dict:
+    """One call of any of `tools`: ``{"name": <const>, key: <its parameters>}``."""
     return {"anyOf": [{"type": "object",
-                       "properties": {"name": {"const": t.name}, "arguments": t.parameters},
-                       "required": ["name", "arguments"], "additionalProperties": False}
+                       "properties": {"name": {"const": t.name}, key: t.parameters},
+                       "required": ["name", key], "additionalProperties": False}
                       for t in tools]}
 
 
@@ -118,13 +119,18 @@ def text_without(marker: str) -> str:
     return f"{other}*(?:{re.escape(first)}{tail})*"
 
 
-def auto_regex(tools: tuple[Tool, ...]) -> str:
-    """Auto tool calls in the Hermes / Qwen format, valid once started: free text without
-    ``<tool_call>``, and after each ``<tool_call>`` one call of the tools (the `required`
-    object, a space allowed after its separators) closed by ``</tool_call>``."""
-    call = regex_for(validate_response_format(schema_format(required_schema(tools), " ?")))
+def auto_regex(tools: tuple[Tool, ...], call_format: str = "hermes") -> str:
+    """Auto tool calls valid once started (a space allowed after the separators of a call).
+    hermes: free text without ``<tool_call>``, and after each ``<tool_call>`` one call of the
+    tools (the `required` object) closed by ``</tool_call>``; llama3: after optional
+    whitespace, one ``{"name": <tool>, "parameters": <its schema>}`` call, or text that does
+    not open with ``{`` (the parser reads a whole output that opens so as a call)."""
+    key = "parameters" if call_format == "llama3" else "arguments"
+    call = regex_for(validate_response_format(schema_format(required_schema(tools, key), " ?")))
+    if call_format == "llama3":
+        return rf"\s*(?:(?:{call})\s*|[^{{\s][\s\S]*)?"
     text = text_without("<tool_call>")
-    return f"{text}(?:<tool_call>\n?(?:{call})\n?</tool_call>{text})*"
+    return rf"{text}(?:<tool_call>\n?(?:{call})\n?</tool_call>{text})*"
 
 
 def _field(obj: dict, key: str, kind: type, where: str, required: bool = True) -> Any:
@@ -176,11 +182,11 @@ def check_schema(rf: dict, where: str) -> None:
 
 
 def plan_for(tools: Any, tool_choice: Any, response_format: Any,
-             hermes_calls: bool = False) -> Optional[ToolPlan]:
+             call_format: Optional[str] = None) -> Optional[ToolPlan]:
     """The request's ToolPlan (None without tools and tool_choice); 400 naming the field.
-    `hermes_calls`: the model writes Hermes calls, so auto runs under `auto_regex` (unless
-    the request has its own ``response_format``, or its tools cannot be combined into one
-    call schema: then auto calls are parsed only)."""
+    `call_format` ("hermes", "llama3": `serving.chat.call_format_of`): auto runs under that
+    format's `auto_regex` (unless the request has its own ``response_format``, or its tools
+    cannot be combined into one call schema: then auto calls are parsed only)."""
     if tools is None:
         if tool_choice not in (None, "none"):
             raise bad_request("tool_choice: needs 'tools'", "tool_choice")
@@ -205,10 +211,10 @@ def plan_for(tools: Any, tool_choice: Any, response_format: Any,
         raise bad_request(f"tool_choice: must be one of {list(MODES)} or a named function, got "
                           f"{choice!r}", "tool_choice")
     plan = ToolPlan(parsed, mode, name)
-    if mode == "auto" and hermes_calls and response_format in (None, {"type": "text"}):
+    if mode == "auto" and call_format and response_format in (None, {"type": "text"}):
         try:
-            auto_regex(parsed)
-            plan = dataclasses.replace(plan, hermes_grammar=True)
+            auto_regex(parsed, call_format)
+            plan = dataclasses.replace(plan, call_format=call_format)
         except ValueError:  # e.g. a $ref that no longer resolves inside the anyOf
             pass
     if plan.constrained:

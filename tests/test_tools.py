@@ -232,29 +232,32 @@ def test_text_without_the_marker_is_every_text_that_lacks_it(text):
         "<tool_call>" not in text)
 
 
-def test_auto_grammar_keeps_a_started_call_valid_on_every_path():
-    """Random walks through the compiled auto grammar (demo vocabulary) from "Sure.
-    <tool_call>": every path that reaches an accepting state after `</tool_call>` holds one
-    call that validates against its tool's schema; a token that breaks the JSON is masked
-    right after the marker, while free text takes it."""
+@pytest.mark.parametrize("call_format,opening", [("hermes", "Sure. <tool_call>"),
+                                                ("llama3", " {")])
+def test_auto_grammar_keeps_a_started_call_valid_on_every_path(call_format, opening):
+    """Random walks through the compiled auto grammar (demo vocabulary) from a call's opening
+    (Hermes after text, Llama 3 at the start): every path that reaches an accepting state past
+    the call holds one call that validates against its tool's schema; a token that breaks the
+    JSON is masked right after the opening, while free text takes it."""
     import models
     from jaxdecode.device.constraints.compile import compile_format
     from jaxdecode.device.constraints.vocab import vocab_for
-    from serving.chat import writes_hermes_calls
+    from serving.chat import call_format_of
 
     model, _, tok = models.demo()
-    assert writes_hermes_calls(tok)
-    plan = plan_for(TOOLS, "auto", None, hermes_calls=True)
+    assert call_format_of(tok) == "hermes"
+    plan = plan_for(TOOLS, "auto", None, call_format=call_format)
     index = compile_format(plan.response_format(), vocab_for(tok, model.config.vocab_size))
-    prefix = tok.encode("Sure. <tool_call>").ids
+    prefix = tok.encode(opening).ids
     start = index.walk(prefix)
     x = tok.encode("x").ids[0]
     assert index.walk(tok.encode("Sure. ").ids + [x]) >= 0 and start >= 0
     assert index.next_state(start, x) == -1 and not index.accepting[start]
+    closing = "</tool_call>" if call_format == "hermes" else "}"
     rng, names = np.random.default_rng(0), set()
     for _ in range(12):
         ids, state = list(prefix), start
-        while not (index.accepting[state] and "</tool_call>" in tok.decode(ids)):
+        while not (index.accepting[state] and closing in tok.decode(ids)):
             lo, hi = index.indptr[state], index.indptr[state + 1]
             assert hi > lo and len(ids) < 400, tok.decode(ids)
             k = rng.integers(lo, hi)
@@ -262,29 +265,54 @@ def test_auto_grammar_keeps_a_started_call_valid_on_every_path():
             state = int(index.targets[k])
         text = tok.decode(ids)  # the closing token may carry text on past the call
         message, has_calls = final_message(plan, text, True)
-        assert has_calls and message["content"] == "Sure. " + text.split("</tool_call>")[1]
+        assert has_calls, text
+        if call_format == "hermes":
+            assert message["content"] == "Sure. " + text.split("</tool_call>")[1]
         call = message["tool_calls"][0]["function"]
         jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
         names.add(call["name"])
     assert names == set(SCHEMAS)
 
 
-def test_auto_grammar_applies_only_where_the_model_writes_hermes_calls():
-    plan = plan_for(TOOLS, "auto", None, hermes_calls=True)
+def test_auto_grammar_applies_only_where_the_model_writes_a_known_call_format():
+    plan = plan_for(TOOLS, "auto", None, call_format="hermes")
     assert plan.response_format()["type"] == "regex" and not plan.constrained
     assert plan_for(TOOLS, "auto", None).response_format() is None
     rf = {"type": "json_object"}
-    assert plan_for(TOOLS, "auto", rf, hermes_calls=True).response_format() is None
-    assert plan_for(TOOLS, "none", None, hermes_calls=True).response_format() is None
+    assert plan_for(TOOLS, "auto", rf, call_format="hermes").response_format() is None
+    assert plan_for(TOOLS, "none", None, call_format="llama3").response_format() is None
     from types import SimpleNamespace
 
-    from serving.chat import writes_hermes_calls
+    from serving.chat import call_format_of
 
-    llama3 = SimpleNamespace(chat_template="{{ messages }} <|python_tag|>",
-                             apply_chat_template=lambda *a, **k: "")
-    assert not writes_hermes_calls(llama3)
-    assert writes_hermes_calls(SimpleNamespace(chat_template="{{ '<tool_call>' }}",
-                                               apply_chat_template=lambda *a, **k: ""))
+    def template(text):
+        return SimpleNamespace(chat_template=text, apply_chat_template=lambda *a, **k: "")
+
+    assert call_format_of(template("{{ messages }} <|python_tag|>")) == "llama3"
+    assert call_format_of(template("{{ '<tool_call>' }}")) == "hermes"
+    assert call_format_of(template("[TOOL_CALLS] {{ messages }}")) is None
+
+
+LLAMA3_TEXTS = [('{"name": "add", "parameters": {"a": 1, "b": 2}}', True),
+                (' {"name":"get_weather", "parameters":{"city":"Rome", "unit":"celsius",'
+                 ' "days":14}}\n', True),
+                ("The answer is 3. {not json}", True), ("", True), ("  ", True),
+                ('{"a": 1}', False), ('{"name": "add", "parameters": {"a": 1, "b": 9}}', False),
+                ('{"name": "add", "arguments": {"a": 1, "b": 2}}', False)]
+
+
+@pytest.mark.parametrize("text,ok", LLAMA3_TEXTS)
+def test_llama3_auto_grammar_is_text_or_one_valid_call(text, ok):
+    """Llama 3's auto grammar: an output that opens with `{` is one call of the tools (its
+    parameters under the schema, `b` < 8 here); any other text is free."""
+    from serving.tools import auto_regex, parse_tools
+
+    pattern = auto_regex(parse_tools(TOOLS), "llama3")
+    assert (re.fullmatch(pattern, text) is not None) == ok
+    if ok and text.strip().startswith("{"):
+        message, has_calls = final_message(plan_for(TOOLS, "auto", None, "llama3"), text, True)
+        call = message["tool_calls"][0]["function"]
+        jsonschema.validate(json.loads(call["arguments"]), SCHEMAS[call["name"]])
 
 
 # -- the parsers, without a model ----------------------------------------------------------------
