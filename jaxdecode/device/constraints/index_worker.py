@@ -55,7 +55,8 @@ def index_tables(index, eos: int, end: int, max_states: int) -> dict:
     srcs = np.repeat(np.arange(len(ids)), counts)
     accepting = np.zeros(len(ids), bool)
     accepting[srcs[toks == end]] = True
-    marked = np.isin(ids, list(index.get_final_states()))  # reached through the whole mark only
+    finals = set(index.get_final_states())  # reached through the whole end mark only
+    marked = np.fromiter((int(i) in finals for i in ids), bool, count=len(ids))
     keep = (toks != eos) & (toks != end) & ~marked[dsts]
     srcs, toks, dsts = srcs[keep], toks[keep], dsts[keep]
     live = _reaching(accepting, srcs, dsts)
@@ -72,12 +73,11 @@ def index_tables(index, eos: int, end: int, max_states: int) -> dict:
     number[initial], order = 0, [initial]
     for src in order:  # BFS; `order` grows while we walk it; new states in token order
         out = dsts[starts[src]:starts[src + 1]]
-        out = out[number[out] < 0]
-        if out.size:
-            _, first = np.unique(out, return_index=True)
-            new = out[np.sort(first)]
-            number[new] = np.arange(len(order), len(order) + new.size)
-            order.extend(new.tolist())
+        # in first-seen order; no np.unique here, nor below: it imports numpy.ma, which the
+        # worker's memory limit may not leave room for
+        new = list(dict.fromkeys(out[number[out] < 0].tolist()))
+        number[new] = np.arange(len(order), len(order) + len(new))
+        order.extend(new)
     reached = number[srcs] >= 0
     srcs, toks, dsts = number[srcs[reached]], toks[reached], number[dsts[reached]]
     by_number = np.lexsort((toks, srcs))
@@ -99,9 +99,9 @@ def _reaching(accepting: np.ndarray, srcs: np.ndarray, dsts: np.ndarray) -> np.n
     while frontier:  # backwards from the accepting states
         dst = frontier.pop()
         came = into[starts[dst]:starts[dst + 1]]
-        came = np.unique(came[~live[came]])
-        live[came] = True
-        frontier.extend(came.tolist())
+        came = set(came[~live[came]].tolist())
+        live[list(came)] = True
+        frontier.extend(came)
     return live
 
 
