@@ -96,7 +96,7 @@ def submit(llm: Any, req: Any, *, chat: bool, request_id: str, stream: bool, max
            tools: Optional[ToolPlan] = None, lora: Optional[str] = None) -> tuple[list, list]:
     """Validate, tokenize and queue every choice (runs in a worker thread; `cancelled()`
     true abandons a constraint compile). Returns (handles, prompt ids). `tools` (chat, from
-    `serving.tools.plan_for`): a named, required or auto-Hermes plan's constraint replaces
+    `serving.tools.plan_for`): a named or required plan's constraint, or an auto plan's call grammar, replaces
     ``response_format``, and its compile errors name ``tools``; `lora`: the adapter the request's
     ``model`` selected (`check_model`)."""
     check_unsupported(req, chat=chat, max_n=max_n)

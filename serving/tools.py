@@ -70,7 +70,7 @@ class ToolPlan:
     tools: tuple[Tool, ...]
     mode: str             # "none" | "auto" | "required" | "named"
     name: Optional[str] = None  # the named tool
-    call_format: Optional[str] = None  # auto: the output under `auto_regex` of this format
+    auto_pattern: Optional[str] = None  # auto: the `auto_regex` the output runs under
 
     @property
     def constrained(self) -> bool:
@@ -85,8 +85,8 @@ class ToolPlan:
             return schema_format(self.tool(self.name).parameters)
         if self.mode == "required":
             return schema_format(required_schema(self.tools), whitespace="")
-        if self.call_format is not None:
-            return {"type": "regex", "pattern": auto_regex(self.tools, self.call_format)}
+        if self.auto_pattern is not None:
+            return {"type": "regex", "pattern": self.auto_pattern}
         return None
 
     def templated(self) -> list[dict]:
@@ -211,14 +211,14 @@ def plan_for(tools: Any, tool_choice: Any, response_format: Any,
         raise bad_request(f"tool_choice: must be one of {list(MODES)} or a named function, got "
                           f"{choice!r}", "tool_choice")
     plan = ToolPlan(parsed, mode, name)
-    if mode == "auto" and call_format and response_format in (None, {"type": "text"}):
+    own_format = response_format is not None and response_format.get("type") != "text"
+    if mode == "auto" and call_format and not own_format:
         try:
-            auto_regex(parsed, call_format)
-            plan = dataclasses.replace(plan, call_format=call_format)
+            plan = dataclasses.replace(plan, auto_pattern=auto_regex(parsed, call_format))
         except ValueError:  # e.g. a $ref that no longer resolves inside the anyOf
             pass
     if plan.constrained:
-        if response_format is not None and response_format.get("type") != "text":
+        if own_format:
             raise bad_request(f"tool_choice: {mode} tool calls cannot be combined with "
                               "response_format", "tool_choice")
         if mode == "required":

@@ -257,10 +257,10 @@ def _host_sections(args, cfg: BenchConfig, report: dict, text: list) -> None:
             chunk=64 if args.quick else 256)
         text.append(paged.format_itl_table(report["chunked_prefill_itl"]))
     if args.engine:
-        report["engine"] = [host.engine_vs_raw(model, params, tokenizer, b, cfg.new_tokens,
-                                               repeats=max(cfg.repeats, 5), kv_cache_dtype=kv)
-                            for b in cfg.batches for kv in dict.fromkeys(
-                                ("auto", args.kv_cache_dtype))]
+        dtypes = tuple(dict.fromkeys(("auto", args.kv_cache_dtype)))
+        report["engine"] = [row for b in cfg.batches for row in host.engine_vs_raw(
+            model, params, tokenizer, b, cfg.new_tokens, repeats=max(cfg.repeats, 5),
+            kv_cache_dtypes=dtypes)]
         if args.report:
             report["recompiles"] = host.recompiles_after_warmup(
                 model, params, tokenizer, requests=100 if args.quick else 1000)

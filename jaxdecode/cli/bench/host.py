@@ -68,10 +68,11 @@ def host_cost(tokenizer, token_ids: Sequence[int], stops_counts: Sequence[int] =
 # -- engine with streaming vs the raw jitted loop (issue #3) ------------------------------------
 
 def engine_vs_raw(model, params, tokenizer, batch: int, new_tokens: int, prompt_len: int = 16,
-                  repeats: int = 3, seed: int = 0, kv_cache_dtype: str = "auto") -> dict:
-    """Tokens/s of `LLM` (its page pool of `kv_cache_dtype`) with every request streamed
-    (deltas read by a consumer thread each) against `generate` on the same model, batch and
-    greedy settings."""
+                  repeats: int = 3, seed: int = 0,
+                  kv_cache_dtypes: Sequence[str] = ("auto",)) -> list[dict]:
+    """Tokens/s of `LLM` with every request streamed (deltas read by a consumer thread each),
+    one row per page-pool dtype of `kv_cache_dtypes`, against `generate` (timed once) on the
+    same model, batch and greedy settings."""
     import threading
 
     from jaxdecode.engine import LLM
@@ -83,25 +84,28 @@ def engine_vs_raw(model, params, tokenizer, batch: int, new_tokens: int, prompt_
     raw()
     raw_s = median_time(raw, repeats)
     max_len = min(model.config.max_len, 1 << (prompt_len + new_tokens).bit_length())
-    with LLM(model, params, tokenizer, max_slots=batch, max_len=max_len,
-             kv_cache_dtype=kv_cache_dtype) as llm:
-        llm.warmup(prompt_len)
+    tokens, rows = batch * new_tokens, []
+    for kv_cache_dtype in kv_cache_dtypes:
+        with LLM(model, params, tokenizer, max_slots=batch, max_len=max_len,
+                 kv_cache_dtype=kv_cache_dtype) as llm:
+            llm.warmup(prompt_len)
 
-        def streamed():
-            handles = [llm.submit(p, sp) for p in ids]
-            readers = [threading.Thread(target=lambda h=h: sum(1 for _ in h.events()))
-                       for h in handles]
-            for t in readers:
-                t.start()
-            for t in readers:
-                t.join()
-            assert all(h.result().usage.selected_tokens == new_tokens for h in handles)
+            def streamed():
+                handles = [llm.submit(p, sp) for p in ids]
+                readers = [threading.Thread(target=lambda h=h: sum(1 for _ in h.events()))
+                           for h in handles]
+                for t in readers:
+                    t.start()
+                for t in readers:
+                    t.join()
+                assert all(h.result().usage.selected_tokens == new_tokens for h in handles)
 
-        streamed()
-        engine_s = median_time(streamed, repeats)
-    tokens = batch * new_tokens
-    return {"batch": batch, "kv_cache_dtype": kv_cache_dtype, "raw_tokens_per_s": tokens / raw_s,
-            "engine_tokens_per_s": tokens / engine_s, "fraction": raw_s / engine_s}
+            streamed()
+            engine_s = median_time(streamed, repeats)
+        rows.append({"batch": batch, "kv_cache_dtype": kv_cache_dtype,
+                     "raw_tokens_per_s": tokens / raw_s, "engine_tokens_per_s": tokens / engine_s,
+                     "fraction": raw_s / engine_s})
+    return rows
 
 
 
