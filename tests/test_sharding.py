@@ -12,9 +12,9 @@ import jax
 import pytest
 from jax.sharding import AbstractMesh, PartitionSpec as P
 
+import models
 from models import GPT2, GPT2Config, Gemma, GemmaConfig, Llama, LlamaConfig
 from models import sharding
-import models
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
