@@ -26,6 +26,10 @@ class KVCache:
 
     k, v:    [layers, batch, kv_heads, max_len, head_dim]
     lengths: int32[batch] -- one past the last written position of each row.
+    k_scale, v_scale: where k and v are int8 (`kv_cache_dtype="int8"`, jaxdecode/kv_int8.py),
+             the scales [layers, batch, kv_heads, max_len] of their codes, one per (token, kv
+             head), as in the page pool: `write` quantizes, the reads dequantize; None for a
+             float cache.
 
     Heads-major (docs/architecture.md first had max_len before kv_heads): each (row, kv head) is then one
     contiguous [max_len, head_dim] matrix, and decode attention on XLA:CPU runs 4-40x faster
@@ -38,13 +42,25 @@ class KVCache:
     k: Array
     v: Array
     lengths: Array
+    k_scale: Optional[Array] = None
+    v_scale: Optional[Array] = None
 
     @classmethod
     def zeros(cls, num_layers: int, batch: int, max_len: int, num_kv_heads: int,
               head_dim: int, dtype: Any = jnp.float32) -> "KVCache":
+        """An empty cache of `dtype` (jnp.int8: int8 codes with their scales)."""
         shape = (num_layers, batch, num_kv_heads, max_len, head_dim)
         return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
-                   lengths=jnp.zeros((batch,), jnp.int32))
+                   lengths=jnp.zeros((batch,), jnp.int32),
+                   k_scale=kv_int8.scales_for(shape, dtype),
+                   v_scale=kv_int8.scales_for(shape, dtype))
+
+    @property
+    def row_fields(self) -> dict:
+        """The per-row arrays with rows on axis 1: k, v and, where int8, their scales -- what
+        a row gather, scatter or concatenation moves."""
+        names = ("k", "v") if self.k_scale is None else ("k", "v", "k_scale", "v_scale")
+        return {name: getattr(self, name) for name in names}
 
     @property
     def max_len(self) -> int:
@@ -58,23 +74,37 @@ class KVCache:
         """Layer `layer` with this call's K/V ([B, T, kv_heads, head_dim]) written at
         `positions` int32[B, T]; a position >= max_len (padding) is dropped."""
         b, t, kvh, _ = k.shape
-        rows = jnp.arange(b)[:, None, None]
-        heads = jnp.arange(kvh)[None, None, :]
-        pos = positions[:, :, None]
-        return self.replace(
-            k=self.k.at[layer, rows, heads, pos].set(k.astype(self.k.dtype), mode="drop"),
-            v=self.v.at[layer, rows, heads, pos].set(v.astype(self.v.dtype), mode="drop"))
+        at = (layer, jnp.arange(b)[:, None, None], jnp.arange(kvh)[None, None, :],
+              positions[:, :, None])
+        if self.k_scale is None:
+            return self.replace(k=self.k.at[at].set(k.astype(self.k.dtype), mode="drop"),
+                                v=self.v.at[at].set(v.astype(self.v.dtype), mode="drop"))
+        (qk, sk), (qv, sv) = kv_int8.quantize(k), kv_int8.quantize(v)
+        return self.replace(k=self.k.at[at].set(qk, mode="drop"),
+                            v=self.v.at[at].set(qv, mode="drop"),
+                            k_scale=self.k_scale.at[at].set(sk, mode="drop"),
+                            v_scale=self.v_scale.at[at].set(sv, mode="drop"))
 
     def read(self, layer: int, kv_len: int) -> tuple[Array, Array]:
-        """Keys and values [B, kv_heads, kv_len, head_dim] of positions [0, kv_len)."""
-        return self.k[layer, :, :, :kv_len], self.v[layer, :, :, :kv_len]
+        """Keys and values [B, kv_heads, kv_len, head_dim] of positions [0, kv_len),
+        dequantized where the cache is int8."""
+        part = lambda x: None if x is None else x[layer, :, :, :kv_len]  # noqa: E731
+        return (kv_int8.dequantize(part(self.k), part(self.k_scale)),
+                kv_int8.dequantize(part(self.v), part(self.v_scale)))
 
     def read_positions(self, layer: int, index: Array) -> tuple[Array, Array]:
         """Keys and values [B, kv_heads, S, head_dim] at positions index int32[B, S] of each row
-        (a position past max_len reads the last one: the caller masks it)."""
-        at = jnp.minimum(index, self.max_len - 1)[:, None, :, None]
-        return (jnp.take_along_axis(self.k[layer], at, axis=2),
-                jnp.take_along_axis(self.v[layer], at, axis=2))
+        (a position past max_len reads the last one: the caller masks it), dequantized where
+        the cache is int8."""
+        at = jnp.minimum(index, self.max_len - 1)[:, None, :]
+
+        def take(x):
+            if x is None:
+                return None
+            return jnp.take_along_axis(x[layer], at[..., None] if x.ndim == 5 else at, axis=2)
+
+        return (kv_int8.dequantize(take(self.k), take(self.k_scale)),
+                kv_int8.dequantize(take(self.v), take(self.v_scale)))
 
 
 @struct.dataclass

@@ -85,7 +85,8 @@ def test_named_config_is_what_its_hf_config_loads_as(tmp_path, name, family):
 
 def test_lora_section_times_two_adapters_beside_none(tmp_path):
     """`bench --lora`: per batch, the step with no adapter and with two (ranks 8 and 16) in
-    the batch, side by side, compiling nothing after its warm-up round."""
+    the batch on every projection and on q/v only, side by side, compiling nothing after its
+    warm-up round."""
     from jaxdecode.cli.bench import lora
     from jaxdecode.cli.bench.configs import bench_model
 
@@ -93,9 +94,9 @@ def test_lora_section_times_two_adapters_beside_none(tmp_path):
     report = lora.time_lora(model, params, batches=(1, 2), steps=2, repeats=1)
     assert report["ranks"] == [8, 16] and [r["batch"] for r in report["rows"]] == [1, 2]
     for row in report["rows"]:
-        assert row["none_step_ms"] > 0 and row["lora_step_ms"] > 0
+        assert row["none_step_ms"] > 0 and row["lora_step_ms"] > 0 and row["lora_qv_step_ms"] > 0
         assert row["compiles_after_warmup"] == 0
-    assert "2 adapters" in lora.format_lora_table(report)
+    assert "2 adapters, q_proj + v_proj" in lora.format_lora_table(report)
 
 
 def test_paged_section_with_int8_kv_times_int8_pages_beside_float_ones(tmp_path):

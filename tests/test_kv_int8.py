@@ -187,6 +187,39 @@ def test_int8_kv_prefix_cache_on_equals_off_and_replays_bitwise(demo):
                for d in report.environment_differences)
 
 
+def test_int8_kv_beams_and_the_library_search_an_int8_cache(demo):
+    """`kv_cache_dtype="int8"` reaches the contiguous cache of `jd.generate` and
+    `jd.beam_search` (int8 codes with their scales, as the page pool holds them): the engine's
+    beam lane searches that cache (its beams and scores equal `jd.beam_search`'s with the int8
+    cache, and differ from the float search's), and `jd.generate`'s greedy tokens equal the
+    int8 engine's paged ones; a bad value names the field."""
+    from jaxdecode.device import decode
+
+    model, params, tok = demo
+    prompts, _ = _mixed(tok)
+    prompts = prompts[:2]
+    state = decode.prepare(model, params, prompts, jd.SamplingParams(max_tokens=4), 4, None,
+                           kv_cache_dtype="int8")[0]
+    assert state.cache.k.dtype == jnp.int8 and state.cache.k_scale.shape == state.cache.k.shape[:-1]
+    search = lambda dtype: jd.beam_search(model, params, prompts, num_beams=3,  # noqa: E731
+                                          max_new_tokens=8, num_return_sequences=2,
+                                          kv_cache_dtype=dtype)
+    int8, floats = search("int8"), search("auto")
+    assert [s for row in int8.beams for _, s in row] != [s for row in floats.beams for _, s in row]
+    greedy = jd.SamplingParams(max_tokens=12, temperature=0.0)
+    library = jd.generate(model, params, prompts, greedy, kv_cache_dtype="int8")
+    with jd.LLM(model, params, tok, max_slots=4, max_len=256, prefill_chunk=32,
+                kv_cache_dtype="int8") as llm:
+        beams = llm.generate(prompts, jd.SamplingParams(max_tokens=8, num_beams=3, n=2))
+        plain = llm.generate(prompts, greedy)
+    for r in range(len(prompts)):
+        got = [(list(c.token_ids), c.score) for c in beams[2 * r:2 * r + 2]]
+        assert got == [(list(ids), score) for ids, score in int8.beams[r]], r
+        assert list(plain[r].token_ids) == library.token_ids[r][:library.lengths[r]].tolist(), r
+    with pytest.raises(ValueError, match="^kv_cache_dtype: "):
+        jd.generate(model, params, prompts, greedy, kv_cache_dtype="fp8")
+
+
 def test_int8_kv_speculative_greedy_equals_the_plain_int8_engine(demo):
     """Speculative greedy with the int8 cache (the draft's pool int8 too) gives the plain int8
     engine's tokens (contract §10: greedy rows accept exactly the target's argmax; the verify

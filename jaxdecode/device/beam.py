@@ -402,7 +402,8 @@ def beam_search(model: DecoderModel, params: Any, prompt_ids: Sequence[Sequence[
                 num_return_sequences: int = 1, min_new_tokens: int = 0,
                 eos_token_ids: Optional[Sequence[int]] = None,
                 response_format: Optional[dict] = None, tokenizer: Any = None,
-                processors: Sequence[Any] = (), batch_invariant: bool = True) -> GenerateOutput:
+                processors: Sequence[Any] = (), batch_invariant: bool = True,
+                kv_cache_dtype: str = "auto") -> GenerateOutput:
     """Beam search over ragged prompts, entirely on device (docs/architecture.md `jd.beam_search`).
 
     num_beams: one width for every row, or one per row (padded to the widest and masked).
@@ -415,7 +416,7 @@ def beam_search(model: DecoderModel, params: Any, prompt_ids: Sequence[Sequence[
     hypothesis whose grammar completes is finished like one that ends on EOS.
     `processors`: custom jd.LogitProcessor (the module docstring); the best hypothesis'
     final states come back in `processor_states`. `batch_invariant=False`: the model's plain
-    XLA numerics, as in `generate`.
+    XLA numerics, and `kv_cache_dtype="int8"` an int8 cache, as in `generate`.
     """
     model = invariance.configure(model, batch_invariant)
     prompt_ids = token_rows(prompt_ids)
@@ -429,7 +430,8 @@ def beam_search(model: DecoderModel, params: Any, prompt_ids: Sequence[Sequence[
     sp = SamplingParams(temperature=0.0, max_tokens=n, response_format=response_format)
     setup = research_lib.configure(model, processors=processors)
     state, _, _ = decode.prepare(model, params, prompt_ids, sp, n, None, eos_token_ids=eos,
-                                 tokenizer=tokenizer, research=setup)
+                                 tokenizer=tokenizer, research=setup,
+                                 kv_cache_dtype=kv_cache_dtype)
     eos_mask = np.zeros((cfg.vocab_size,), bool)
     eos_mask[list(eos)] = True
     # a lone width-1 row searches with a masked second beam (numerics.min_rows: no program of

@@ -29,7 +29,7 @@ def _is_cache(x: Any) -> bool:
 
 def rows_map(fn: Callable[..., Array], *trees: Any) -> Any:
     """`fn(*leaves, axis=row axis)` over the per-row leaves of same-structured states: a
-    KVCache's k and v at axis 1 and its lengths at axis 0; a PagedKVCache's page table and
+    KVCache's k and v (and int8 scales) at axis 1 and its lengths at axis 0; a PagedKVCache's page table and
     lengths at axis 0 (its page pool belongs to no row: the first tree's is kept); every other
     array at axis 0. The first tree's grammar tables are kept as they are."""
     def leaf(*xs):
@@ -37,9 +37,9 @@ def rows_map(fn: Callable[..., Array], *trees: Any) -> Any:
             return xs[0].replace(page_table=fn(*(c.page_table for c in xs), axis=0),
                                  lengths=fn(*(c.lengths for c in xs), axis=0))
         if _is_cache(xs[0]):
-            return xs[0].replace(k=fn(*(c.k for c in xs), axis=1),
-                                 v=fn(*(c.v for c in xs), axis=1),
-                                 lengths=fn(*(c.lengths for c in xs), axis=0))
+            fields = {name: fn(*(c.row_fields[name] for c in xs), axis=1)
+                      for name in xs[0].row_fields}
+            return xs[0].replace(**fields, lengths=fn(*(c.lengths for c in xs), axis=0))
         return fn(*xs, axis=0)
 
     stripped = [t.replace(grammar=None) if hasattr(t, "grammar") else t for t in trees]

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxdecode import invariance
+from jaxdecode import invariance, kv_int8
 from jaxdecode.config import SamplingParams
 from jaxdecode.device import cache_ops, constraints, hooks, numerics, outputs, processors
 from jaxdecode.device import research as research_lib
@@ -76,11 +76,13 @@ def compilation_count() -> int:
 
 @dataclasses.dataclass(frozen=True)
 class PrefillConfig:
-    """Static part of a prompt pass: the model, the cache length to allocate, research options."""
+    """Static part of a prompt pass: the model, the cache length to allocate, research options,
+    the cache's `kv_cache_dtype` ("auto": the weights' dtype; "int8": jaxdecode/kv_int8.py)."""
 
     model: DecoderModel
     cache_len: int
     research: Optional[research_lib.ResearchConfig] = None
+    kv_cache_dtype: str = "auto"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,7 +160,8 @@ def prefill(config: PrefillConfig, params: Any, tokens: Array, lengths: Array, r
     options, interventions apply to the prompt and `StepState.research` starts."""
     model, research = config.model, config.research
     b, t = tokens.shape
-    cache = model.init_cache(b, config.cache_len, params_dtype(params))
+    cache = model.init_cache(b, config.cache_len,
+                             kv_int8.pool_dtype(config.kv_cache_dtype, params_dtype(params)))
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     # the cache is empty before the prompt: attend to the prompt bucket only
     extra = kv_len_keyword(model, t)
@@ -445,11 +448,12 @@ def _row_keys(rows_sp: Sequence[SamplingParams], key: Optional[Array]) -> np.nda
 
 def _prompt_pass(model: DecoderModel, params: Any, prompt_ids: Sequence[Sequence[int]],
                  rows: RowParams, size: int, research: Optional[research_lib.Setup],
-                 n_samples: Sequence[int]) -> StepState:
+                 n_samples: Sequence[int], kv_cache_dtype: str = "auto") -> StepState:
     """The prefilled state: each prompt alone at its own bucket, except with interventions,
     whose args may hold one value per row (one batched prompt pass; the batch-invariance
     promise excludes interventions, docs/batch_invariance.md)."""
-    config = PrefillConfig(model, size, None if research is None else research.config)
+    config = PrefillConfig(model, size, None if research is None else research.config,
+                           kv_cache_dtype)
     args = None if research is None else research.args
     if research is None or not research.config.interventions:
         return cache_ops.stack_rows(prefill_rows(config, params, prompt_ids, rows, args))
@@ -467,11 +471,14 @@ def _prompt_pass(model: DecoderModel, params: Any, prompt_ids: Sequence[Sequence
 def prepare(model: DecoderModel, params: Any, prompt_ids: Sequence[Sequence[int]],
             sampling: SamplingParams | Sequence[SamplingParams], max_new_tokens: Optional[int],
             key: Optional[Array], eos_token_ids: Optional[Sequence[int]] = None,
-            tokenizer: Any = None, research: Optional[research_lib.Setup] = None):
+            tokenizer: Any = None, research: Optional[research_lib.Setup] = None,
+            kv_cache_dtype: str = "auto"):
     """Validate ragged prompts and settings; prefill. Returns (state, per-row params, N).
 
     Rows with a response_format are compiled against `tokenizer` (constraints.prepare_rows).
-    `research`: the run's research options (research.configure), applied from the prefill on."""
+    `research`: the run's research options (research.configure), applied from the prefill on.
+    `kv_cache_dtype`: the cache's ("auto" or "int8"; ValueError naming it otherwise)."""
+    kv_int8.check(kv_cache_dtype)
     cfg = model.config
     _check_prompts(cfg, prompt_ids)
     b = len(prompt_ids)
@@ -489,7 +496,7 @@ def prepare(model: DecoderModel, params: Any, prompt_ids: Sequence[Sequence[int]
     grammar = constraints.prepare_rows(rows_sp, tokenizer, cfg.vocab_size, eos)  # before prefill
     size = cache_len(max(len(p) for p in prompt_ids), n, cfg.max_len)
     state = _prompt_pass(model, params, prompt_ids, rows, size, research,
-                         [s.n for s in rows_sp])
+                         [s.n for s in rows_sp], kv_cache_dtype)
     if grammar is not None:  # constraints: tables + initial per-row states
         state = state.replace(grammar_state=jnp.asarray(grammar[1]), grammar=grammar[0].tables)
     if any(s.n > 1 for s in rows_sp):
@@ -551,7 +558,8 @@ def generate(model: DecoderModel, params: Any, prompt_ids: Sequence[Sequence[int
              return_scores: bool = False, return_logits: bool = False,
              return_hidden_states: Sequence[Any] = (), outputs_top_k: int = 0,
              observers: Sequence[Any] = (), host_callback: Any = None,
-             interventions: Sequence[Any] = (), batch_invariant: bool = True) -> GenerateOutput:
+             interventions: Sequence[Any] = (), batch_invariant: bool = True,
+             kv_cache_dtype: str = "auto") -> GenerateOutput:
     """Decode ragged prompts entirely on device (docs/architecture.md `jd.generate`).
 
     A row's randomness comes from its seed; `key` serves rows with seed=None (row r uses
@@ -565,7 +573,8 @@ def generate(model: DecoderModel, params: Any, prompt_ids: Sequence[Sequence[int
     jd.LogitProcessor), `return_scores`, `return_logits` (with `outputs_top_k`),
     `return_hidden_states`, step `observers`, `host_callback`, `interventions` (jd.steer,
     jd.ablate, jd.Intervention). `batch_invariant=False`: the model's plain XLA numerics (X1
-    not kept; docs/batch_invariance.md).
+    not kept; docs/batch_invariance.md). `kv_cache_dtype="int8"`: keys and values cached as
+    int8 with a scale per (token, kv head), as `jd.LLM(kv_cache_dtype="int8")` pages them.
     """
     model = invariance.configure(model, batch_invariant)
     prompt_ids = token_rows(prompt_ids)
@@ -574,7 +583,8 @@ def generate(model: DecoderModel, params: Any, prompt_ids: Sequence[Sequence[int
         return_hidden_states=return_hidden_states, outputs_top_k=outputs_top_k,
         observers=observers, host_callback=host_callback, interventions=interventions)
     state, rows_sp, n = prepare(model, params, prompt_ids, sampling, max_new_tokens, key,
-                                tokenizer=tokenizer, research=setup)
+                                tokenizer=tokenizer, research=setup,
+                                kv_cache_dtype=kv_cache_dtype)
     b, k = len(rows_sp), max(s.logprobs for s in rows_sp)
     config = StepConfig(model, k, None, None if setup is None else setup.config)
     state = cache_ops.pad_rows(state, b, config.research, numerics.min_rows(model))

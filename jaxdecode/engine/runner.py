@@ -143,7 +143,8 @@ def _beam(ctx: Context, a: Mapping[str, np.ndarray]) -> Any:
     prompts = [t[:n].tolist() for t, n in zip(a["tokens"], a["lengths"])]
     processors = () if ctx.research is None else ctx.research.config.processors
     return beam_search(ctx.model, ctx.params, prompts, num_beams=a["widths"].tolist(),
-                       tokenizer=ctx.tokenizer, processors=processors, **settings)
+                       tokenizer=ctx.tokenizer, processors=processors,
+                       kv_cache_dtype=ctx.kv_cache_dtype, **settings)
 
 
 def kv_buckets(max_len: int) -> list:
