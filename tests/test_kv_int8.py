@@ -94,12 +94,14 @@ def test_bad_kv_cache_dtype_names_the_field():
 # -- memory: about twice the requests of a bf16 cache at one budget -----------------------------
 
 def _peak(model, params, tok, pages: int) -> int:
-    """The most requests of 128 positions (8 pages) running at once in `pages` pages."""
+    """The most requests of 128 positions (8 pages) running at once in `pages` pages, of eight
+    more requests than fit, with a slot for each (so the second wave waits for pages)."""
     sp = jd.SamplingParams(max_tokens=120, ignore_eos=True, temperature=0.0,
                            utf8_errors="replace")
-    with jd.LLM(model, params, tok, max_slots=64, max_len=256, kv_pages=pages,
+    requests = pages // 8 + 8
+    with jd.LLM(model, params, tok, max_slots=requests, max_len=256, kv_pages=pages,
                 prefill_chunk=256, **_peak.kw) as llm:
-        handles = [llm.submit([7, 8, 9], sp) for _ in range(80)]
+        handles = [llm.submit([7, 8, 9], sp) for _ in range(requests)]
         peak = 0
         while not all(h.done for h in handles):
             peak = max(peak, llm.num_running)
