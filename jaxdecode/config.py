@@ -167,8 +167,6 @@ class SamplingParams:
             _fail("early_stopping", f"must be True, False or 'never', got {self.early_stopping!r}")
         if self.num_beams == 1:
             return
-        if self.lora is not None:
-            _fail("lora", "adapters are not available with beam search (num_beams > 1)")
         if self.n > self.num_beams:
             _fail("n", f"the number of returned beams must be <= num_beams ({self.num_beams}), "
                   f"got {self.n}")

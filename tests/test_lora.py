@@ -128,6 +128,34 @@ def test_mixed_batch_matches_hf_peft_without_compiling_R6(llm, setup, reference,
         assert list(c.token_ids) == reference[n][i % 2], (i, n)
 
 
+def test_beam_search_on_an_adapter_matches_hf_peft_beams_R6(llm, setup):
+    """A beam request selecting an adapter (a call mixing it with a base row) returns PEFT's
+    `generate(num_beams=3, num_return_sequences=2)` beams and scores; the base row the base
+    model's."""
+    base, paths, *_, ids = setup
+    want = {}
+    for name in (None, "wide"):
+        model = _hf_base(base)
+        if name is not None:
+            model = peft.PeftModel.from_pretrained(model, paths[name]).eval()
+        with torch.no_grad():
+            out = model.generate(input_ids=torch.tensor([ids[0]]),
+                                 attention_mask=torch.ones(1, len(ids[0]), dtype=torch.long),
+                                 do_sample=False, num_beams=3, num_return_sequences=2,
+                                 max_new_tokens=NEW_TOKENS, eos_token_id=None, pad_token_id=0,
+                                 return_dict_in_generate=True, output_scores=True)
+        want[name] = ([out.sequences[j, len(ids[0]):].tolist() for j in range(2)],
+                      out.sequences_scores.tolist())
+    assert want["wide"][0] != want[None][0]
+    sp = lambda lora: jd.SamplingParams(num_beams=3, n=2, max_tokens=NEW_TOKENS,  # noqa: E731
+                                        ignore_eos=True, lora=lora, utf8_errors="replace")
+    got = llm.generate([ids[0], ids[0]], [sp("wide"), sp(None)])
+    for name, pair in (("wide", got[:2]), (None, got[2:])):
+        assert [list(c.token_ids) for c in pair] == want[name][0], name
+        np.testing.assert_allclose([c.score for c in pair], want[name][1], atol=1e-4,
+                                   err_msg=str(name))
+
+
 def test_prefix_cache_keys_on_the_adapter_R7(llm, setup, reference, banned):
     """A prompt cached under one adapter is not served to another (or to the base); under the
     same adapter it is."""
@@ -165,8 +193,6 @@ def test_bad_selections_and_families_are_value_errors(llm, setup, banned, tiny_h
         llm.submit(ids[0], _sp(banned, "nope"))
     with pytest.raises(ValueError, match="^lora:"):
         jd.SamplingParams(lora="")
-    with pytest.raises(ValueError, match="^lora:"):
-        jd.SamplingParams(lora="attn", num_beams=2, temperature=0.0)
     _, paths, model, params, tok, _ = setup
     with pytest.raises(ValueError, match="^max_loras:"):
         jd.LLM(model, params, tok, max_len=64, lora_modules=paths, max_loras=1)

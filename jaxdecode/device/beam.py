@@ -107,7 +107,8 @@ class BeamRows:
     (scalars shared by the call); eos_mask bool[V] the ending ids; grammar tables, the initial
     grammar state int32[B] and each beam's EOS mask bool[B * W, V] (None: unconstrained); each
     beam's ResearchState from the prefill (None without custom processors). `_beam_loop`
-    broadcasts the last two from the B rows to the beams."""
+    broadcasts the last two from the B rows to the beams. adapter int32[B]: each row's LoRA
+    adapter index (0: the base; contract R6), the same for all its beams (None: no adapters)."""
 
     widths: Array
     max_new: Array
@@ -118,6 +119,7 @@ class BeamRows:
     gstate: Optional[Array] = None
     row_eos: Optional[Array] = None
     rstate: Optional[Any] = None
+    adapter: Optional[Array] = None
 
 
 @struct.dataclass
@@ -321,9 +323,12 @@ def _body(config: BeamConfig, params: Any, rows: BeamRows, c: BeamState) -> Beam
 
     def advance(cache):  # step 6: reorder, then write the chosen tokens
         cache = cache_ops.take_rows(cache, (jnp.arange(b)[:, None] * w + run_src).reshape(-1))
+        adapters = None if rows.adapter is None else jnp.repeat(rows.adapter, w)
         new_logits, cache = config.model.forward(params, run_tok[:, :, c.t].reshape(-1, 1),
                                                  cache.lengths[:, None], cache,
-                                                 lengths=jnp.ones((b * w,), jnp.int32))
+                                                 lengths=jnp.ones((b * w,), jnp.int32),
+                                                 **decode.adapter_keyword(config.model,
+                                                                          adapters))
         return cache, new_logits[:, 0].astype(jnp.float32)
 
     cache, logits = jax.lax.cond(go, advance, lambda cache: (cache, c.logits), c.cache)
@@ -403,7 +408,8 @@ def beam_search(model: DecoderModel, params: Any, prompt_ids: Sequence[Sequence[
                 eos_token_ids: Optional[Sequence[int]] = None,
                 response_format: Optional[dict] = None, tokenizer: Any = None,
                 processors: Sequence[Any] = (), batch_invariant: bool = True,
-                kv_cache_dtype: str = "auto") -> GenerateOutput:
+                kv_cache_dtype: str = "auto",
+                adapters: Optional[Sequence[int]] = None) -> GenerateOutput:
     """Beam search over ragged prompts, entirely on device (docs/architecture.md `jd.beam_search`).
 
     num_beams: one width for every row, or one per row (padded to the widest and masked).
@@ -416,7 +422,9 @@ def beam_search(model: DecoderModel, params: Any, prompt_ids: Sequence[Sequence[
     hypothesis whose grammar completes is finished like one that ends on EOS.
     `processors`: custom jd.LogitProcessor (the module docstring); the best hypothesis'
     final states come back in `processor_states`. `batch_invariant=False`: the model's plain
-    XLA numerics, and `kv_cache_dtype="int8"` an int8 cache, as in `generate`.
+    XLA numerics, and `kv_cache_dtype="int8"` an int8 cache, as in `generate`. `adapters`: each
+    row's LoRA adapter index into the stack `params["lora"]` (0: the base; the engine's beam
+    lane passes them, contract R6).
     """
     model = invariance.configure(model, batch_invariant)
     prompt_ids = token_rows(prompt_ids)
@@ -431,7 +439,7 @@ def beam_search(model: DecoderModel, params: Any, prompt_ids: Sequence[Sequence[
     setup = research_lib.configure(model, processors=processors)
     state, _, _ = decode.prepare(model, params, prompt_ids, sp, n, None, eos_token_ids=eos,
                                  tokenizer=tokenizer, research=setup,
-                                 kv_cache_dtype=kv_cache_dtype)
+                                 kv_cache_dtype=kv_cache_dtype, adapters=adapters)
     eos_mask = np.zeros((cfg.vocab_size,), bool)
     eos_mask[list(eos)] = True
     # a lone width-1 row searches with a masked second beam (numerics.min_rows: no program of
@@ -442,7 +450,8 @@ def beam_search(model: DecoderModel, params: Any, prompt_ids: Sequence[Sequence[
                         None if setup is None else setup.config)
     rows = BeamRows(widths=np.asarray(widths, np.int32), max_new=np.int32(n),
                     min_new=np.int32(min_new_tokens), length_penalty=np.float32(length_penalty),
-                    eos_mask=eos_mask, rstate=state.research)
+                    eos_mask=eos_mask, rstate=state.research,
+                    adapter=None if adapters is None else state.rows.adapter)
     if state.grammar is not None:
         rows = rows.replace(gtables=state.grammar, gstate=state.grammar_state,
                             row_eos=state.rows.eos_mask)

@@ -164,7 +164,7 @@ def prefill(config: PrefillConfig, params: Any, tokens: Array, lengths: Array, r
                              kv_int8.pool_dtype(config.kv_cache_dtype, params_dtype(params)))
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     # the cache is empty before the prompt: attend to the prompt bucket only
-    extra = kv_len_keyword(model, t)
+    extra = {**kv_len_keyword(model, t), **adapter_keyword(model, rows.adapter)}
     captured: dict = {}
     extra.update(research_hook(research, research_args, captured, lambda x: jnp.take_along_axis(
         x, (lengths - 1)[:, None, None], axis=1)[:, 0]))
@@ -472,12 +472,13 @@ def prepare(model: DecoderModel, params: Any, prompt_ids: Sequence[Sequence[int]
             sampling: SamplingParams | Sequence[SamplingParams], max_new_tokens: Optional[int],
             key: Optional[Array], eos_token_ids: Optional[Sequence[int]] = None,
             tokenizer: Any = None, research: Optional[research_lib.Setup] = None,
-            kv_cache_dtype: str = "auto"):
+            kv_cache_dtype: str = "auto", adapters: Optional[Sequence[int]] = None):
     """Validate ragged prompts and settings; prefill. Returns (state, per-row params, N).
 
     Rows with a response_format are compiled against `tokenizer` (constraints.prepare_rows).
     `research`: the run's research options (research.configure), applied from the prefill on.
-    `kv_cache_dtype`: the cache's ("auto" or "int8"; ValueError naming it otherwise)."""
+    `kv_cache_dtype`: the cache's ("auto" or "int8"; ValueError naming it otherwise);
+    `adapters`: each row's LoRA adapter index (`RowParams.adapter`, applied from the prefill on)."""
     kv_int8.check(kv_cache_dtype)
     cfg = model.config
     _check_prompts(cfg, prompt_ids)
@@ -492,7 +493,7 @@ def prepare(model: DecoderModel, params: Any, prompt_ids: Sequence[Sequence[int]
     rows_sp = [dataclasses.replace(s, max_tokens=min(s.max_tokens, n),
                                    min_tokens=min(s.min_tokens, n)) for s in rows_sp]
     eos = cfg.eos_token_ids if eos_token_ids is None else tuple(eos_token_ids)
-    rows = RowParams.build(rows_sp, cfg.vocab_size, eos, keys=keys)
+    rows = RowParams.build(rows_sp, cfg.vocab_size, eos, keys=keys, adapters=adapters)
     grammar = constraints.prepare_rows(rows_sp, tokenizer, cfg.vocab_size, eos)  # before prefill
     size = cache_len(max(len(p) for p in prompt_ids), n, cfg.max_len)
     state = _prompt_pass(model, params, prompt_ids, rows, size, research,

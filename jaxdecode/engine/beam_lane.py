@@ -11,7 +11,7 @@ BEAM step op through the engine's `device`, so multi-host followers make the sam
   `run_record` is a row of its own and takes beam `index` of `n` (rank 0 for `submit`).
 - Rows queued together that share the call's scalar settings -- n, early_stopping,
   length_penalty, max new tokens, min new tokens, the ending ids and the response_format --
-  run as one call (at most `max_slots` rows, and within the engine's KV budget,
+  run as one call, each row with its own LoRA adapter (`SamplingParams(lora=)`, contract R6) (at most `max_slots` rows, and within the engine's KV budget,
   `admission.EngineLimits.kv_positions`, counting `admission.beam_positions` per row; a row
   alone always runs); `num_beams` may differ per row (beam_search pads to the widest width), so
   widths do not split calls. `beam_search` compiles per width, output
@@ -147,7 +147,8 @@ class BeamLane:
                 r.lifecycle.try_transition(RequestState.DECODING)  # prefill is in the call
                 r.lifecycle.record("beam.started", num_beams=r.sampling.num_beams,
                                    rows=len(live))
-        out = self.device(step_ops.beam([row[0].prompt_ids for row in live], widths, settings))
+        out = self.device(step_ops.beam([row[0].prompt_ids for row in live], widths, settings,
+                                        [row[0].adapter for row in live]))
         for i, row in enumerate(live):
             for r in row:
                 if r.lifecycle.observe_cancel():  # L4: the finished call's result is discarded

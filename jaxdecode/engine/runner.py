@@ -144,7 +144,8 @@ def _beam(ctx: Context, a: Mapping[str, np.ndarray]) -> Any:
     processors = () if ctx.research is None else ctx.research.config.processors
     return beam_search(ctx.model, ctx.params, prompts, num_beams=a["widths"].tolist(),
                        tokenizer=ctx.tokenizer, processors=processors,
-                       kv_cache_dtype=ctx.kv_cache_dtype, **settings)
+                       kv_cache_dtype=ctx.kv_cache_dtype,
+                       adapters=a["adapters"].tolist() if "adapters" in a else None, **settings)
 
 
 def kv_buckets(max_len: int) -> list:

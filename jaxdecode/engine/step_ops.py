@@ -177,17 +177,21 @@ def stop() -> StepOp:
     return StepOp(STOP)
 
 
-def beam(prompt_ids: Sequence[Sequence[int]], widths: Sequence[int], settings: dict) -> StepOp:
+def beam(prompt_ids: Sequence[Sequence[int]], widths: Sequence[int], settings: dict,
+         adapters: Sequence[int] = ()) -> StepOp:
     """`jd.beam_search(prompts, num_beams=widths, **settings)`; the settings (JSON values:
-    limits, penalties, ending ids, response_format) travel as UTF-8 JSON bytes."""
+    limits, penalties, ending ids, response_format) travel as UTF-8 JSON bytes; `adapters`
+    (each row's LoRA index) only where a row has one."""
     tokens = np.zeros((len(prompt_ids), max(map(len, prompt_ids))), np.int32)
     for i, ids in enumerate(prompt_ids):
         tokens[i, :len(ids)] = ids
     text = json.dumps(settings, sort_keys=True).encode()
-    return StepOp(BEAM, {"tokens": tokens,
-                         "lengths": np.array([len(p) for p in prompt_ids], np.int32),
-                         "widths": np.asarray(widths, np.int32),
-                         "settings": np.frombuffer(text, np.uint8).copy()})
+    arrays = {"tokens": tokens, "lengths": np.array([len(p) for p in prompt_ids], np.int32),
+              "widths": np.asarray(widths, np.int32),
+              "settings": np.frombuffer(text, np.uint8).copy()}
+    if any(adapters):
+        arrays["adapters"] = np.asarray(adapters, np.int32)
+    return StepOp(BEAM, arrays)
 
 
 # -- serialization -----------------------------------------------------------------------------
