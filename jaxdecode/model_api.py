@@ -76,14 +76,7 @@ class KVCache:
         b, t, kvh, _ = k.shape
         at = (layer, jnp.arange(b)[:, None, None], jnp.arange(kvh)[None, None, :],
               positions[:, :, None])
-        if self.k_scale is None:
-            return self.replace(k=self.k.at[at].set(k.astype(self.k.dtype), mode="drop"),
-                                v=self.v.at[at].set(v.astype(self.v.dtype), mode="drop"))
-        (qk, sk), (qv, sv) = kv_int8.quantize(k), kv_int8.quantize(v)
-        return self.replace(k=self.k.at[at].set(qk, mode="drop"),
-                            v=self.v.at[at].set(qv, mode="drop"),
-                            k_scale=self.k_scale.at[at].set(sk, mode="drop"),
-                            v_scale=self.v_scale.at[at].set(sv, mode="drop"))
+        return _written(self, at, k, v)
 
     def read(self, layer: int, kv_len: int) -> tuple[Array, Array]:
         """Keys and values [B, kv_heads, kv_len, head_dim] of positions [0, kv_len),
@@ -182,14 +175,7 @@ class PagedKVCache:
         page = jnp.where(positions < self.max_len, slot, self.num_pages)[:, :, None]
         offset = (positions % ps)[:, :, None]
         at = (jnp.arange(kvh)[None, None, :], layer, page, offset)
-        if self.k_scale is None:
-            return self.replace(k=self.k.at[at].set(k.astype(self.k.dtype), mode="drop"),
-                                v=self.v.at[at].set(v.astype(self.v.dtype), mode="drop"))
-        (qk, sk), (qv, sv) = kv_int8.quantize(k), kv_int8.quantize(v)
-        return self.replace(k=self.k.at[at].set(qk, mode="drop"),
-                            v=self.v.at[at].set(qv, mode="drop"),
-                            k_scale=self.k_scale.at[at].set(sk, mode="drop"),
-                            v_scale=self.v_scale.at[at].set(sv, mode="drop"))
+        return _written(self, at, k, v)
 
     def kernel_pool(self, layer: int, pages: int) -> tuple[Array, Array, Array]:
         """(keys, values, page table) as a paged-attention kernel reads layer `layer`: the
@@ -235,6 +221,19 @@ class PagedKVCache:
 
         return (kv_int8.dequantize(gather(self.k), gather(self.k_scale)),    # [B, kvh, S, hd]
                 kv_int8.dequantize(gather(self.v), gather(self.v_scale)))
+
+
+def _written(cache: Any, at: tuple, k: Array, v: Array) -> Any:
+    """`cache` (a KVCache or PagedKVCache) with k and v set at index `at` of its k and v
+    arrays (out-of-range entries dropped), quantized with their scales where it is int8."""
+    if cache.k_scale is None:
+        return cache.replace(k=cache.k.at[at].set(k.astype(cache.k.dtype), mode="drop"),
+                             v=cache.v.at[at].set(v.astype(cache.v.dtype), mode="drop"))
+    (qk, sk), (qv, sv) = kv_int8.quantize(k), kv_int8.quantize(v)
+    return cache.replace(k=cache.k.at[at].set(qk, mode="drop"),
+                         v=cache.v.at[at].set(qv, mode="drop"),
+                         k_scale=cache.k_scale.at[at].set(sk, mode="drop"),
+                         v_scale=cache.v_scale.at[at].set(sv, mode="drop"))
 
 
 def _flat(pool: Array) -> Array:

@@ -11,10 +11,11 @@ BEAM step op through the engine's `device`, so multi-host followers make the sam
   `run_record` is a row of its own and takes beam `index` of `n` (rank 0 for `submit`).
 - Rows queued together that share the call's scalar settings -- n, early_stopping,
   length_penalty, max new tokens, min new tokens, the ending ids and the response_format --
-  run as one call, each row with its own LoRA adapter (`SamplingParams(lora=)`, contract R6) (at most `max_slots` rows, and within the engine's KV budget,
+  run as one call (at most `max_slots` rows, and within the engine's KV budget,
   `admission.EngineLimits.kv_positions`, counting `admission.beam_positions` per row; a row
   alone always runs); `num_beams` may differ per row (beam_search pads to the widest width), so
-  widths do not split calls. `beam_search` compiles per width, output
+  widths do not split calls, and so may the LoRA adapter (`SamplingParams(lora=)`, contract
+  R6: each row's index travels with the call). `beam_search` compiles per width, output
   bucket and prompt bucket; max_new_tokens and the other numbers are runtime values.
 - Latency trade-off: the call is one device program (the whole search, `lax.while_loop`), so
   the slot rows get no decode step while it runs -- their streams pause for that long (the
