@@ -156,6 +156,21 @@ def test_beam_search_on_an_adapter_matches_hf_peft_beams_R6(llm, setup):
                                    err_msg=str(name))
 
 
+def test_speculative_engine_on_adapters_matches_hf_peft_R6(setup, reference, banned):
+    """Speculative decoding (prompt lookup, k = 3) on an engine with adapters: a batch mixing
+    both adapters and the base gives each row PEFT's greedy tokens (the target verifies with
+    the row's adapter; greedy rows keep exactly the target's argmax, contract §10)."""
+    _, paths, model, params, tok, ids = setup
+    names = [None, "attn", "wide", "wide", None, "attn"]
+    with jd.LLM(model, params, tok, max_slots=8, max_len=64, prefill_chunk=16, page_size=8,
+                lora_modules=paths, max_loras=3,
+                speculative={"draft": "prompt_lookup", "k": 3}) as spec:
+        got = spec.generate([ids[i % 2] for i in range(len(names))],
+                            [_sp(banned, n) for n in names])
+    for i, (n, c) in enumerate(zip(names, got)):
+        assert list(c.token_ids) == reference[n][i % 2], (i, n)
+
+
 def test_prefix_cache_keys_on_the_adapter_R7(llm, setup, reference, banned):
     """A prompt cached under one adapter is not served to another (or to the base); under the
     same adapter it is."""
@@ -198,6 +213,8 @@ def test_bad_selections_and_families_are_value_errors(llm, setup, banned, tiny_h
         jd.LLM(model, params, tok, max_len=64, lora_modules=paths, max_loras=1)
     with pytest.raises(ValueError, match="^lora_modules: missing: .*adapter_config.json"):
         jd.LLM(model, params, tok, max_len=64, lora_modules={"missing": "/nonexistent"})
+    with pytest.raises(ValueError, match="^lora_modules: not supported together with mesh="):
+        jd.LLM(model, params, tok, max_len=64, lora_modules=paths, step_hook=object())
     gpt2, gparams, gtok = models.load(tiny_hf_checkpoint("gpt2"))
     with pytest.raises(ValueError, match="^lora_modules: the GPT2 family has no LoRA"):
         jd.LLM(gpt2, gparams, gtok, max_len=64, lora_modules=paths)

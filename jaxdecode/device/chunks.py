@@ -82,7 +82,7 @@ def _prefill_chunk(state: Any, params: Any, draft_params: Any, tokens: Array, st
                    config: ChunkConfig) -> tuple[Any, Array]:
     if isinstance(state, SpecState):
         tcache, logits = _write(config.model, params, state.tcache, tokens, start, length, table,
-                                config.kv_len)
+                                config.kv_len, adapters)
         state = state.replace(tcache=tcache)
         if config.draft is not None:
             dcache, _ = _write(config.draft, draft_params, state.dcache, tokens, start, length,

@@ -146,9 +146,8 @@ def check_options(spec: Any, research: Any, mesh: Any, step_hook: Any,
                   lora: bool = False) -> None:
     """The engine options that do not go together (ValueError naming one of them); `lora`:
     the engine has adapters."""
-    if lora and (spec is not None or mesh is not None or step_hook is not None):
-        raise ValueError("lora_modules: not supported together with speculative=, mesh= or "
-                         "step_hook= yet")
+    if lora and (mesh is not None or step_hook is not None):
+        raise ValueError("lora_modules: not supported together with mesh= or step_hook= yet")
     if spec is not None and mesh is not None:
         raise ValueError("speculative: not supported together with mesh yet")
     if research is not None and spec is not None:

@@ -12,7 +12,7 @@ from flax import struct
 
 from jaxdecode.device import constraints, sampling
 from jaxdecode.device import research as research_lib
-from jaxdecode.device.decode import kv_len_keyword
+from jaxdecode.device.decode import adapter_keyword, kv_len_keyword
 from jaxdecode.device.speculative.state import (ACCEPT, RESAMPLE, RoundConfig, SpecState,
                                                 all_greedy, branched, keys, process)
 
@@ -63,7 +63,8 @@ def verify(config: RoundConfig, tparams: Any, s: SpecState, live: Array, d: Arra
     """The target forward of [s[-1], d_1 .. d_k] (writing its k + 1 positions) and p_1 ..
     p_{k+1}, each evaluated with the penalty counts, step and grammar state of its own position
     (counts advanced through the proposed run); d carries a branch axis when there are
-    several, and the forward is then vmapped over it with the cache shared."""
+    several, and the forward is then vmapped over it with the cache shared. Each row's LoRA
+    adapter (`rows.adapter`, contract R6) applies to the target; the draft has none."""
     k, v = config.k, s.counts.shape[1]
     last = jnp.take_along_axis(s.hist, (s.length - 1)[:, None], 1)[:, 0]
     process_each = jax.vmap(lambda lg, c, sn, st, g: process(s, lg, c, sn, st, g),
@@ -74,7 +75,8 @@ def verify(config: RoundConfig, tparams: Any, s: SpecState, live: Array, d: Arra
         pos = (s.length - 1)[:, None] + jnp.arange(k + 1)[None, :]
         tlogits, tcache = config.target.forward(
             tparams, toks, pos, s.tcache, lengths=jnp.where(live, k + 1, 0).astype(jnp.int32),
-            **kv_len_keyword(config.target, config.kv_len))
+            **kv_len_keyword(config.target, config.kv_len),
+            **adapter_keyword(config.target, s.rows.adapter))
         tlogits = tlogits.astype(jnp.float32)
         before = jnp.concatenate([jnp.zeros((d.shape[0], 1, v), jnp.int32),
                                   jnp.cumsum(jax.nn.one_hot(d, v, dtype=jnp.int32), 1)], 1)
