@@ -59,8 +59,7 @@ class KVCache:
     def row_fields(self) -> dict:
         """The per-row arrays with rows on axis 1: k, v and, where int8, their scales -- what
         a row gather, scatter or concatenation moves."""
-        names = ("k", "v") if self.k_scale is None else ("k", "v", "k_scale", "v_scale")
-        return {name: getattr(self, name) for name in names}
+        return _kv_arrays(self)
 
     @property
     def max_len(self) -> int:
@@ -149,8 +148,7 @@ class PagedKVCache:
     def pools(self) -> dict:
         """The page-pool fields (pages on axis 2): k, v and, where int8, their scales -- what
         a page copy, a branch pick or a saved row moves."""
-        names = ("k", "v") if self.k_scale is None else ("k", "v", "k_scale", "v_scale")
-        return {name: getattr(self, name) for name in names}
+        return _kv_arrays(self)
 
     @property
     def page_size(self) -> int:
@@ -221,6 +219,12 @@ class PagedKVCache:
 
         return (kv_int8.dequantize(gather(self.k), gather(self.k_scale)),    # [B, kvh, S, hd]
                 kv_int8.dequantize(gather(self.v), gather(self.v_scale)))
+
+
+def _kv_arrays(cache: Any) -> dict:
+    """k, v and, where the cache is int8, their scales (a KVCache's or a PagedKVCache's)."""
+    names = ("k", "v") if cache.k_scale is None else ("k", "v", "k_scale", "v_scale")
+    return {name: getattr(cache, name) for name in names}
 
 
 def _written(cache: Any, at: tuple, k: Array, v: Array) -> Any:

@@ -29,9 +29,9 @@ def _is_cache(x: Any) -> bool:
 
 def rows_map(fn: Callable[..., Array], *trees: Any) -> Any:
     """`fn(*leaves, axis=row axis)` over the per-row leaves of same-structured states: a
-    KVCache's k and v (and int8 scales) at axis 1 and its lengths at axis 0; a PagedKVCache's page table and
-    lengths at axis 0 (its page pool belongs to no row: the first tree's is kept); every other
-    array at axis 0. The first tree's grammar tables are kept as they are."""
+    KVCache's k and v (and int8 scales) at axis 1 and its lengths at axis 0; a PagedKVCache's
+    page table and lengths at axis 0 (its page pool belongs to no row: the first tree's is
+    kept); every other array at axis 0. The first tree's grammar tables are kept as they are."""
     def leaf(*xs):
         if isinstance(xs[0], PagedKVCache):
             return xs[0].replace(page_table=fn(*(c.page_table for c in xs), axis=0),
