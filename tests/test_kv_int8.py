@@ -24,7 +24,7 @@ from serving.server import kv_options
 from tests.host_fixtures import s4_tokenizer
 from tests.scripted import Bigram
 from tests.test_batch_invariance import _engine_logits, _prompt
-from tests.test_paged import _mixed, _run
+from tests.test_paged import _mixed, _run, watch
 
 
 # -- the codec and the pool ---------------------------------------------------------------------
@@ -102,12 +102,11 @@ def _peak(model, params, tok, pages: int) -> int:
     with jd.LLM(model, params, tok, max_slots=requests, max_len=256, kv_pages=pages,
                 prefill_chunk=256, **_peak.kw) as llm:
         handles = [llm.submit([7, 8, 9], sp) for _ in range(requests)]
-        peak = 0
-        while not all(h.done for h in handles):
-            peak = max(peak, llm.num_running)
+        running = set()
+        watch(handles, lambda: running.add(llm.num_running))
         assert all(len(h.result().token_ids) == 120 for h in handles)
         _peak.pool_bytes = sum(x.nbytes for x in llm._core.runner.state.cache.pools.values())
-    return peak
+    return max(running)
 
 
 def test_int8_pages_hold_about_twice_the_requests_of_bf16_at_one_budget():
