@@ -24,7 +24,7 @@ from serving.server import kv_options
 from tests.host_fixtures import s4_tokenizer
 from tests.scripted import Bigram
 from tests.test_batch_invariance import _engine_logits, _prompt
-from tests.test_paged import _mixed, _run, watch
+from tests.test_paged import _mixed, _run, any_pending, watch
 
 
 # -- the codec and the pool ---------------------------------------------------------------------
@@ -103,7 +103,7 @@ def _peak(model, params, tok, pages: int) -> int:
                 prefill_chunk=256, **_peak.kw) as llm:
         handles = [llm.submit([7, 8, 9], sp) for _ in range(requests)]
         running = set()
-        watch(handles, lambda: running.add(llm.num_running))
+        watch(any_pending(handles), lambda: running.add(llm.num_running))
         assert all(len(h.result().token_ids) == 120 for h in handles)
         _peak.pool_bytes = sum(x.nbytes for x in llm._core.runner.state.cache.pools.values())
     return max(running)

@@ -205,12 +205,18 @@ def test_replay_of_a_cached_request_is_identical_with_the_cache_off(demo):
     assert report.identical, report.describe()
 
 
-def watch(handles, observe) -> None:
-    """Call `observe()` until every handle is done, sleeping 0.5 ms between calls: a busy loop
+def watch(busy, observe) -> None:
+    """Call `observe()` once, then again every 0.5 ms while `busy()`: a loop that never sleeps
     holds the GIL the engine thread needs and made these tests ~2x slower."""
-    while not all(h.done for h in handles):
-        observe()
+    observe()
+    while busy():
         time.sleep(0.0005)
+        observe()
+
+
+def any_pending(handles):
+    """`watch`'s `busy` for requests: True while one of `handles` is not done."""
+    return lambda: not all(h.done for h in handles)
 
 
 # -- memory: pages are the budget -------------------------------------------------------------
@@ -231,11 +237,10 @@ def test_pages_hold_four_times_the_requests_of_contiguous_slots_at_one_budget(bi
                 prefill_chunk=256) as llm:
         handles = [llm.submit([7, 8, 9], sp) for _ in range(80)]
         running = set()
-        watch(handles, lambda: running.add(llm.num_running))
+        watch(any_pending(handles), lambda: running.add(llm.num_running))
         assert all(len(h.result().token_ids) == 120 for h in handles)
         assert llm.kv_stats()["pages_used"] == 0
-    peak = max(running)
-    assert peak == 64  # 64 x 8 pages = the whole budget; 16 x the contiguous engine
+    assert max(running) == 64  # 64 x 8 pages = the whole budget; 16 x the contiguous engine
 
 
 def test_a_full_pool_queues_and_corrupts_no_stream(bigram):
@@ -250,8 +255,8 @@ def test_a_full_pool_queues_and_corrupts_no_stream(bigram):
                 prefill_chunk=16) as llm:
         handles = [llm.submit(p, s) for p, s in zip(prompts, sp)]
         running, used = set(), set()
-        watch(handles, lambda: (running.add(llm.num_running),
-                                used.add(llm.kv_stats()["pages_used"])))
+        watch(any_pending(handles), lambda: (running.add(llm.num_running),
+                                          used.add(llm.kv_stats()["pages_used"])))
         got = [list(h.result().token_ids) for h in handles]
     assert got == alone and max(running) <= 2 and max(used) <= 8
 
@@ -269,16 +274,14 @@ def test_samples_of_one_prompt_share_its_pages(bigram):
                            utf8_errors="replace")
     with jd.LLM(model, {}, tok, max_slots=4, max_len=64, page_size=8, prefill_chunk=16,
                 kv_pages=14, prefix_cache=False) as llm:
-        out, peak = [], [0]
+        out, running = [], set()
         worker = threading.Thread(target=lambda: out.extend(llm.generate([prompt], sp)))
         worker.start()
-        while worker.is_alive():
-            peak[0] = max(peak[0], llm.num_running)
-            time.sleep(0.0005)  # not a busy loop: see `watch`
+        watch(worker.is_alive, lambda: running.add(llm.num_running))
         worker.join()
     separate = [jd.generate(model, {}, [prompt], sp, trace=False).tokens(i) for i in range(3)]
     assert [list(c.token_ids) for c in out] == separate
-    assert peak[0] == 3
+    assert max(running) == 3
 
 
 def test_chunked_prefill_lets_running_streams_step_between_chunks(bigram):
