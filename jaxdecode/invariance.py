@@ -363,8 +363,11 @@ def _attention_elementwise(q: Array, k: Array, v: Array, q_pos: Array, k_pos: Ar
 # XLA:CPU's Eigen products instead of jaxlib 0.10's default YNNPACK fusions: about twice as fast
 # for small row tiles, but under Eigen a row's bits may depend on its place in the tile (on an
 # AVX2 CPU: the last two places of 8 rows, none of 4), so `compiler_options` asks for them only
-# where `place_invariant` holds.
-EIGEN_PRODUCTS = {"xla_cpu_experimental_ynn_fusion_type": ""}
+# where `place_invariant` holds. Single-threaded: Eigen's thread-pool products gave a row of a
+# Gemma 3 chunk call other bits in a call of 3 or 8 rows than alone (K/V one ulp apart, AMD
+# EPYC), though each product alone passed its probe; one thread per product costs nothing
+# measurable here (llama-512 decode at batch 1 and 16: docs/performance/journal.md).
+EIGEN_PRODUCTS = {"xla_cpu_experimental_ynn_fusion_type": "", "xla_cpu_multi_thread_eigen": False}
 # Environment switch: "auto" (the default: Eigen where the probe passes) or "ynnpack".
 PRODUCTS_ENV = "JAXDECODE_CPU_PRODUCTS"
 
